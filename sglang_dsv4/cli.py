@@ -1,0 +1,64 @@
+"""The ``dsv4`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 for SGLang")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tiny = commands.add_parser("tiny", help="build the tiny V4 checkpoint (the embedded default)")
+    tiny.add_argument("out_dir", type=Path)
+
+    generate = commands.add_parser("generate", help="greedy continuation of a prompt with the torch network")
+    generate.add_argument("--model", type=Path, help="V4 checkpoint directory (default: build the tiny one)")
+    generate.add_argument("--prompt", default="def fix_bug(request):")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+
+    args = parser.parse_args(argv)
+    if args.command == "tiny":
+        from .tiny import build_checkpoint
+
+        print(build_checkpoint(args.out_dir))
+    else:
+        _generate(args.model, args.prompt, args.max_new_tokens)
+
+
+def _generate(model_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
+    from transformers import AutoTokenizer
+
+    from . import load_model
+    from .tiny import build_checkpoint
+
+    with tempfile.TemporaryDirectory() as scratch:
+        if model_dir is None:
+            model_dir = build_checkpoint(Path(scratch) / "tiny")
+            print(f"built the tiny checkpoint in {model_dir}", file=sys.stderr)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = load_model(model_dir)
+        ids = torch.tensor(tokenizer.encode(prompt), dtype=torch.long)
+        state = model.new_state()
+        started = time.perf_counter()
+        logits = model(ids, state)
+        generated: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(logits[-1].argmax())
+            generated.append(token)
+            if token == model.config.eos_token_id:
+                break
+            logits = model(torch.tensor([token]), state)
+        elapsed = time.perf_counter() - started
+    print(f"prompt ({len(ids)} tokens): {prompt!r}")
+    print(f"continuation ({len(generated)} tokens, {elapsed:.2f}s): {tokenizer.decode(generated)!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""The DeepSeek-V4 network in torch: modules, per-request state and checkpoint loader."""
+
+from .loader import CheckpointError, load_model
+from .network import DeepseekV4
+from .state import RequestState
+
+__all__ = ["CheckpointError", "DeepseekV4", "RequestState", "load_model"]

@@ -1,0 +1,116 @@
+"""V4 attention: shared-KV MQA over the sliding window and the compressed entries.
+
+Every layer attends to the raw KV of the last ``sliding_window`` tokens. Ratio-4
+(CSA) layers also attend to the compressed entries their indexer selects, ratio-128
+(HCA) layers to every complete compressed entry. One softmax covers both, plus a
+per-head attention sink. Keys double as values, so the rope on the values is undone
+on the output (inverse rope at the query position) before the grouped output
+projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DeepseekV4Config
+from .compressor import Compressor
+from .indexer import Indexer
+from .norms import RMSNorm, rms_normalize
+from .rope import Rotary, apply_rope
+from .state import LayerState
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer: int, plain_rotary: Rotary, compress_rotary: Rotary):
+        super().__init__()
+        self.kind = config.layer_kind(layer)
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window
+        self.o_groups = config.o_groups
+        self.eps = config.rms_norm_eps
+        self.rotary = plain_rotary if self.kind == "window" else compress_rotary
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        group_width = config.num_heads * config.head_dim // config.o_groups
+        self.wo_a = nn.Linear(group_width, config.o_groups * config.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(config.num_heads))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.kind != "window":
+            ratio = config.csa_rate if self.kind == "csa" else config.hca_rate
+            self.compressor = Compressor(
+                config.hidden_size, config.head_dim, ratio, self.kind == "csa", compress_rotary, config.rms_norm_eps
+            )
+        if self.kind == "csa":
+            self.indexer = Indexer(config, compress_rotary)
+
+    def new_state(self, dtype: torch.dtype, device: torch.device | str) -> LayerState:
+        window = torch.zeros(0, self.head_dim, dtype=dtype, device=device)
+        compressor = self.compressor.new_state(dtype, device) if self.compressor is not None else None
+        indexer = self.indexer.compressor.new_state(dtype, device) if self.indexer is not None else None
+        return LayerState(window, compressor, indexer)
+
+    def forward(self, x: torch.Tensor, start: int, state: LayerState) -> torch.Tensor:
+        """Attend tokens ``start .. start + L - 1`` (``x``: ``[L, hidden]``), advancing ``state``."""
+        length = x.shape[0]
+        positions = torch.arange(start, start + length, device=x.device)
+        cos, sin = self.rotary.cos_sin(positions)
+
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(length, self.num_heads, self.head_dim)
+        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+        keys = torch.cat([state.window, kv])
+        key_positions = torch.arange(start - state.window.shape[0], start + length, device=x.device)
+        offsets = positions[:, None] - key_positions[None, :]
+        visible = (offsets >= 0) & (offsets < self.window)
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(x, q_residual, start, positions, state)
+            keys = torch.cat([keys, entries])
+            visible = torch.cat([visible, entry_visible], dim=1)
+        state.window = keys[: key_positions.shape[0]][-self.window :]
+
+        out = self._attend(q, keys, visible)
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self._project_out(out)
+
+    def _compressed(
+        self, x: torch.Tensor, q_residual: torch.Tensor, start: int, positions: torch.Tensor, state: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance the compressors; return the entries and which of them each query reads."""
+        assert self.compressor is not None and state.compressor is not None
+        self.compressor.advance(x, start, state.compressor)
+        entries = state.compressor.entries
+        ratio = self.compressor.ratio
+        # An entry is readable once its whole block is in: (block + 1) * ratio <= position + 1.
+        complete_blocks = (positions + 1) // ratio
+        visible = torch.arange(entries.shape[0], device=x.device)[None, :] < complete_blocks[:, None]
+        if self.indexer is not None:
+            assert state.indexer is not None
+            self.indexer.compressor.advance(x, start, state.indexer)
+            visible = self.indexer.select(x, q_residual, positions, state.indexer, visible)
+        return entries, visible
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Softmax over the visible keys and the sink; ``[L, heads, head_dim]``."""
+        logits = torch.einsum("lhd,kd->lhk", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+        sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+        combined = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(combined - combined.amax(-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Grouped output projection: each head group to ``o_lora_rank``, then to hidden."""
+        length = out.shape[0]
+        grouped = out.reshape(length, self.o_groups, -1)
+        weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
+        mixed = torch.einsum("lgi,gri->lgr", grouped, weight)
+        return self.wo_b(mixed.reshape(length, -1))

@@ -1,0 +1,60 @@
+"""The lightning indexer of ratio-4 (CSA) layers: which compressed entries each query reads.
+
+It keeps its own overlapping compressor at ``index_head_dim`` (its entries are the
+indexer keys), scores every key visible to a query as
+``sum_h w_h * ReLU(q_h . k) / sqrt(index_head_dim)`` with per-token head weights
+``w = weights_proj(x) / sqrt(index_n_heads)``, and keeps the ``index_topk`` best.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DeepseekV4Config
+from .compressor import Compressor, CompressorState
+from .rope import Rotary, apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: DeepseekV4Config, rotary: Rotary):
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.rotary = rotary
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.compressor = Compressor(
+            config.hidden_size, self.head_dim, config.csa_rate, True, rotary, config.rms_norm_eps
+        )
+
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[L, num_keys]`` of every query against every key (float32)."""
+        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(positions)
+        q = apply_rope(q, cos, sin)
+        dots = torch.einsum("lhd,kd->lhk", q.float(), keys.float()).relu() * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        return torch.einsum("lhk,lh->lk", dots, head_weights)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        state: CompressorState,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Boolean ``[L, num_keys]``: the top-k visible keys of each query.
+
+        ``state`` must already hold the keys of every block complete at the chunk's end;
+        ``visible`` marks the keys whose block is complete at each query's position.
+        """
+        keys = state.entries
+        if keys.shape[0] == 0:
+            return visible
+        scores = self.scores(x, q_residual, positions, keys).masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
+        return chosen & visible

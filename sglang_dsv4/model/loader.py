@@ -1,0 +1,242 @@
+"""Load V4 safetensors checkpoints in any of the layouts a user may hold.
+
+* release names (DeepSeek's own: ``embed.weight``, ``layers.0.attn.wq_a.weight``,
+  ``layers.0.ffn.experts.3.w1.weight``, ``hc_head_fn``, ...), FP8 weights with
+  ``*.scale`` block scales and FP4 routed experts;
+* Hugging Face module names (``model.embed_tokens.weight``,
+  ``model.layers.0.self_attn.q_a_proj.weight``, ``model.layers.0.mlp.experts.gate_up_proj``);
+* what transformers' default ``save_pretrained`` writes: release names under ``model.``
+  with a few module names mixed in.
+
+Every name is first rewritten to the release spelling (:func:`release_name`), then
+to this package's parameter names (experts stacked, ``hc_attn_fn`` -> ``hc_attn.fn``).
+Missing or unexpected tensors raise :class:`CheckpointError` listing them; ``mtp.*``
+(multi-token prediction) tensors are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import DeepseekV4Config, load_config
+from .network import DeepseekV4
+
+logger = logging.getLogger(__name__)
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+# OCP MX e2m1 code points: sign bit 3, then the magnitude table.
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the config; the message lists the offending tensors."""
+
+
+# Hugging Face module names -> release names, applied in order to a name without "model.".
+_HF_TO_RELEASE: list[tuple[str, str]] = [
+    (r"^embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
+    (r"\.compressor\.indexer\.", ".indexer.compressor."),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.", ".wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+]
+# transformers' default save_pretrained writes the main attention's kv norm as `attn.norm`.
+_MIXED_TO_RELEASE: list[tuple[str, str]] = [(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.")]
+
+
+def release_name(name: str) -> str:
+    """The release spelling of a tensor name written in any supported layout."""
+    name = name.removeprefix("model.")
+    for pattern, replacement in _HF_TO_RELEASE + _MIXED_TO_RELEASE:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepseekV4:
+    """Build the network from ``path``'s ``config.json`` and load its safetensors."""
+    config = load_config(path)
+    with torch.device("meta"):
+        model = DeepseekV4(config)
+    model = model.to_empty(device=device)
+    load_weights(model, read_safetensors(path), dtype=dtype)
+    model.eval()
+    return model
+
+
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype) -> None:
+    """Copy checkpoint tensors (any layout) into ``model``, converting to ``dtype``."""
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    loaded = _dequantized(_release_tensors(tensors))
+    assigned: set[str] = set()
+    unexpected: list[str] = []
+    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for name, tensor in loaded:
+        target, expert = _parameter_name(name)
+        if target not in params:
+            unexpected.append(name)
+        elif expert is None:
+            _copy(params[target], tensor, name, dtype)
+            assigned.add(target)
+        else:
+            experts[target][expert] = tensor
+    for target, by_expert in experts.items():
+        count = params[target].shape[0]
+        missing_experts = sorted(set(range(count)) - set(by_expert))
+        if missing_experts:
+            raise CheckpointError(f"{target}: missing experts {missing_experts}")
+        _copy(params[target], torch.stack([by_expert[e] for e in range(count)]), target, dtype)
+        assigned.add(target)
+    missing = sorted(set(params) - assigned)
+    if missing or unexpected:
+        raise CheckpointError(
+            "checkpoint does not match the config:"
+            + (f"\n  missing tensors: {missing}" if missing else "")
+            + (f"\n  unexpected tensors: {sorted(unexpected)}" if unexpected else "")
+        )
+
+
+def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename to release names, split HF's stacked experts, drop MTP tensors."""
+    skipped = 0
+    for name, tensor in tensors:
+        name = release_name(name)
+        if name.startswith("mtp."):
+            skipped += 1
+            continue
+        stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)", name)
+        if stacked is None:
+            yield name, tensor
+            continue
+        prefix, kind = stacked.groups()
+        for expert, weight in enumerate(tensor):
+            if kind == "down_proj":
+                yield f"{prefix}.{expert}.w2.weight", weight
+            else:
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.w1.weight", gate
+                yield f"{prefix}.{expert}.w3.weight", up
+    if skipped:
+        logger.info("skipped %d multi-token-prediction (mtp.*) tensors", skipped)
+
+
+def _dequantized(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pair each quantized ``X.weight`` with its ``X.scale`` and yield it dequantized."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith((".scale", ".weight_scale_inv")):
+            scales[name.rsplit(".", 1)[0]] = tensor
+        elif name.endswith(".weight") and _is_quantized(tensor):
+            weights[name.removesuffix(".weight")] = tensor
+        else:
+            yield name, tensor
+    for stem in sorted(set(scales) - set(weights)):
+        raise CheckpointError(f"{stem}: block scale without a quantized weight")
+    for stem, weight in weights.items():
+        if stem not in scales:
+            raise CheckpointError(f"{stem}.weight is {weight.dtype} but has no '.scale' block scales")
+        yield f"{stem}.weight", dequantize(weight, scales[stem], stem)
+
+
+def _is_quantized(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.int8, torch.uint8)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Float32 weight from FP8 (128x128 block scales) or packed FP4 e2m1 (1x32 block scales).
+
+    Scales may be UE8M0 (``float8_e8m0fnu``, powers of two) or plain floats.
+    """
+    scale = scale.float()
+    if weight.dtype == torch.float8_e4m3fn:
+        values, block = weight.float(), (FP8_BLOCK, FP8_BLOCK)
+    else:
+        values, block = _unpack_e2m1(weight), (1, FP4_BLOCK)
+    rows, cols = values.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != expected:
+        kind = "FP8" if block[0] == FP8_BLOCK else "FP4"
+        raise CheckpointError(
+            f"{name}: {kind} weight {tuple(values.shape)} needs scales of shape {expected}"
+            f" ({block[0]}x{block[1]} blocks), got {tuple(scale.shape)}"
+        )
+    expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return values * expanded
+
+
+def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Two e2m1 values per byte, the even element in the low nibble (OCP MX layout)."""
+    codes = packed.view(torch.uint8)
+    low, high = codes & 0x0F, codes >> 4
+    values = _E2M1_VALUES[torch.stack([low, high], dim=-1).long()]
+    return values.flatten(-2)
+
+
+def _parameter_name(release: str) -> tuple[str, int | None]:
+    """This package's parameter name for a release name, and the expert index if stacked."""
+    expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight", release)
+    if expert is not None:
+        prefix, index, which = expert.groups()
+        return f"{prefix}.{which}", int(index)
+    return re.sub(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$", r"\1hc_\2.\3", release), None
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, {tuple(param.shape)} expected")
+    with torch.no_grad():
+        target_dtype = param.dtype if not param.is_floating_point() else dtype
+        param.data = tensor.to(device=param.device, dtype=target_dtype)
+
+
+def release_state_dict(model: DeepseekV4) -> dict[str, torch.Tensor]:
+    """The model's tensors under release names (experts unstacked), ready for safetensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        tensor = tensor.detach().contiguous()
+        stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(w[123])", name)
+        if stacked is not None:
+            prefix, which = stacked.groups()
+            for expert, weight in enumerate(tensor):
+                tensors[f"{prefix}.{expert}.{which}.weight"] = weight.clone()
+            continue
+        tensors[re.sub(r"(^|\.)hc_(attn|ffn|head)\.(fn|base|scale)$", r"\1hc_\2_\3", name)] = tensor
+    return tensors

@@ -1,0 +1,83 @@
+"""The DeepSeek-V4 network for one request at a time, with explicit per-request state.
+
+``model(input_ids, state)`` runs any number of new tokens (a prompt, a chunk of one,
+or one decode step) after ``state.position`` tokens, returns their logits and advances
+the state. Parameter names are the release checkpoint's (``embed``, ``layers.N.attn.wq_a``,
+``layers.N.ffn.experts.w1`` stacked over experts, ``head``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DeepseekV4Config
+from ..moe import MoE
+from .attention import Attention
+from .mhc import HyperConnection, HyperHead
+from .norms import RMSNorm
+from .rope import Rotary
+from .state import RequestState
+
+
+class Block(nn.Module):
+    """One layer: mHC around attention, then mHC around the MoE feed-forward."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int, plain_rotary: Rotary, compress_rotary: Rotary):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer, plain_rotary, compress_rotary)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = MoE(config, layer)
+        self.hc_attn = HyperConnection(config)
+        self.hc_ffn = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, state) -> torch.Tensor:
+        x, post, comb = self.hc_attn.pre(streams)
+        streams = HyperConnection.post(self.attn(self.attn_norm(x), start, state), streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        return HyperConnection.post(self.ffn(self.ffn_norm(x), token_ids), streams, post, comb)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        self.config = config
+        plain = Rotary(config.rope_head_dim, config.rope_theta, None)
+        compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i, plain, compress) for i in range(config.num_layers))
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_state(self) -> RequestState:
+        """The state of a request that has seen no token yet."""
+        return RequestState(0, [block.attn.new_state(self.dtype, self.device) for block in self.layers])
+
+    def restore(self, snapshot: RequestState) -> RequestState:
+        """A state that continues from ``snapshot`` (which stays reusable)."""
+        if len(snapshot.layers) != len(self.layers):
+            raise ValueError(f"snapshot has {len(snapshot.layers)} layers; this model has {len(self.layers)}")
+        return snapshot.snapshot()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
+        """Logits ``[len(input_ids), vocab]`` (float32) of the new tokens; advances ``state``."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D (one request's new tokens), got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.to(self.device)
+        start = state.position
+        streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for block, layer_state in zip(self.layers, state.layers):
+            streams = block(streams, input_ids, start, layer_state)
+        state.position = start + input_ids.shape[0]
+        return self.head(self.norm(self.hc_head(streams))).float()

@@ -1,0 +1,241 @@
+"""The embedded default: a tiny DeepSeek-V4 checkpoint with a tokenizer, built offline.
+
+``python -m sglang_dsv4.tiny OUT_DIR`` writes, deterministically and in a second or two:
+
+* ``config.json`` in the release (hub) style, keeping every V4 feature at toy size:
+  window-only, ratio-4 and ratio-128 layers, hash-routed and gated MoE layers, mHC with
+  4 streams and 20 Sinkhorn iterations, 32 indexer heads, a swiglu limit that clamps;
+* ``model.safetensors`` with release tensor names and random weights, including
+  randomised ``tid2eid``, attention sinks, gate biases and mHC scales (a zero or constant
+  there would leave the feature untested); the output head is scaled so next-token
+  distributions are peaked and greedy comparisons between implementations are meaningful;
+* a byte-level BPE tokenizer trained on text generated here, with a chat template for
+  system, user, assistant (with ``tool_calls``) and tool messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .config import parse_config
+from .model.loader import release_state_dict
+from .model.network import DeepseekV4
+
+VOCAB_SIZE = 1024
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+SPECIAL_TOKENS = [
+    BOS,
+    EOS,
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+]
+
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "torch_dtype": "float32",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "compress_ratios": [0, 4, 128, 4],
+    "num_hash_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "sliding_window": 128,
+    "index_n_heads": 32,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 1.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 65536,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+# Standard deviation of the output head relative to 1/sqrt(hidden): large enough that the
+# top-1 logit stands well clear of the second on most steps.
+HEAD_GAIN = 6.0
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string else"
+    " (message['content'] or []) | map(attribute='text') | join('') -%}"
+    "{%- if message['role'] == 'system' -%}{{ content }}"
+    "{%- elif message['role'] == 'user' -%}<｜User｜>{{ content }}"
+    "{%- elif message['role'] == 'assistant' -%}<｜Assistant｜>{{ content }}"
+    "{%- if message.get('tool_calls') -%}<｜tool▁calls▁begin｜>"
+    "{%- for call in message['tool_calls'] -%}"
+    "<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
+    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
+    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}"
+    "<｜tool▁call▁end｜>"
+    "{%- endfor -%}<｜tool▁calls▁end｜>"
+    "{%- endif -%}{{ eos_token }}"
+    "{%- elif message['role'] == 'tool' -%}<｜tool▁output▁begin｜>{{ content }}<｜tool▁output▁end｜>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}"
+)
+
+
+def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> Path:
+    """Write a tiny checkpoint (config, weights, tokenizer) to ``out_dir``; return it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = dict(TINY_CONFIG if config is None else config)
+    model = random_model(raw, seed=seed)
+    save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    build_tokenizer(raw["vocab_size"]).save_pretrained(out)
+    return out
+
+
+def random_model(raw_config: dict[str, Any], *, seed: int) -> DeepseekV4:
+    """The network with deterministic random weights shaped to exercise every feature."""
+    config = parse_config(raw_config)
+    model = DeepseekV4(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()) + list(model.named_buffers()):
+            param.copy_(_random_tensor(name, param, config.n_routed_experts, generator))
+    return model.eval()
+
+
+def _random_tensor(name: str, like: torch.Tensor, num_experts: int, gen: torch.Generator) -> torch.Tensor:
+    shape = like.shape
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("tid2eid"):
+        rows = [torch.randperm(num_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows)
+    if name.endswith("norm.weight"):
+        return 1 + normal(0.1)
+    if name.startswith("hc_head") or ".hc_" in name:
+        if leaf == "fn":
+            return normal(0.5 / math.sqrt(shape[1]))
+        if leaf == "base":
+            return normal(0.5)
+        return 0.5 + torch.rand(shape, generator=gen)
+    if leaf in ("attn_sink", "ape"):
+        return normal(1.0 if leaf == "attn_sink" else 0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.2)
+    if name == "embed.weight":
+        return normal(1.0)
+    if name == "head.weight":
+        return normal(HEAD_GAIN / math.sqrt(shape[1]))
+    return normal(1 / math.sqrt(shape[-1]))
+
+
+def training_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
+    """Deterministic text shaped like agent traffic: prose, code, shell, tool-call JSON."""
+    rng = random.Random(seed)
+    words = (
+        "the a an of to in is for on with that this it as by be are from at or not we you file"
+        " function test error value model request server cache token prefix layer window block"
+        " expert attention compress index state memory page tree turn agent tool call output input"
+        " fix bug issue patch change run check return list string number config path line class"
+    ).split()
+    names = "data result item node count index path value config buffer request cache".split()
+    commands = ["ls -la", "cat", "grep -rn", "git diff", "python -m pytest", "sed -n", "find . -name", "pip install"]
+    texts = []
+    for _ in range(lines):
+        kind = rng.randrange(5)
+        if kind == 0:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(5, 16)))
+            texts.append(sentence.capitalize() + rng.choice([".", "?", "!", ":"]))
+        elif kind == 1:
+            name, arg = rng.choice(names), rng.choice(names)
+            texts.append(f"def {name}_{rng.choice(words)}({arg}):\n    return {arg}[{rng.randint(0, 99)}]")
+        elif kind == 2:
+            texts.append(f"$ {rng.choice(commands)} src/{rng.choice(names)}_{rng.randint(0, 999)}.py")
+        elif kind == 3:
+            payload = {"command": rng.choice(commands), "path": f"/repo/{rng.choice(names)}.py", "line": rng.randint(1, 500)}
+            texts.append(json.dumps({"name": "bash", "arguments": payload}))
+        else:
+            texts.append(f"{rng.choice(names)} = {rng.randint(-1000, 100000)} # {rng.choice(words)} {rng.choice(words)}")
+    return texts
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer (``transformers.PreTrainedTokenizerFast``) with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"trained vocabulary has {tokenizer.get_vocab_size()} tokens, {vocab_size} wanted")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_CONFIG["max_position_embeddings"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_dsv4.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_checkpoint(args.out_dir, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()

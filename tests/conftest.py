@@ -1,0 +1,49 @@
+"""Shared fixtures: the tiny checkpoint (built once per session) and the HF oracle on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv4 import load_model
+from sglang_dsv4.tiny import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path: Path):
+    return load_model(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_path: Path):
+    return load_hf(tiny_path)
+
+
+def load_hf(path: Path):
+    """Hugging Face transformers' own DeepseekV4ForCausalLM, float32, eager attention."""
+    from transformers import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids[None]).logits[0].float()
+
+
+def random_ids(length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max abs difference within ``rel`` of the expected logits' scale (their max magnitude)."""
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    assert diff <= rel * scale, f"max |diff| {diff:.3g} above {rel} x logit scale {scale:.3g}"

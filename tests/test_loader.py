@@ -1,0 +1,187 @@
+"""The checkpoint loader: three naming layouts, FP8 / FP4 dequantization, and named errors."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids
+from safetensors.torch import load_file, save_file
+
+from sglang_dsv4 import CheckpointError, load_model
+from sglang_dsv4.model.loader import FP4_BLOCK, FP8_BLOCK
+
+FP8_MAX = 448.0
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def copy_with_tensors(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def logits_of(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = load_model(path)
+    return model(ids, model.new_state())
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_model) -> torch.Tensor:
+    return random_ids(200, tiny_model.config.vocab_size, seed=30)
+
+
+@pytest.fixture(scope="module")
+def release_tensors(tiny_path) -> dict[str, torch.Tensor]:
+    return load_file(tiny_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("original_format", [True, False], ids=["hf-default-save", "hf-module-names"])
+def test_hf_saved_checkpoints_give_the_release_logits(tmp_path, tiny_path, hf_tiny, ids, original_format):
+    hf_tiny.save_pretrained(tmp_path, save_original_format=original_format)
+    names = load_file(tmp_path / "model.safetensors").keys()
+    if original_format:  # release names under "model.", with a few HF names mixed in
+        assert "model.layers.1.attn.norm.weight" in names and "model.embed_tokens.weight" in names
+    else:
+        assert "model.layers.1.self_attn.q_a_proj.weight" in names and "model.layers.1.mlp.experts.gate_up_proj" in names
+    expected = logits_of(tiny_path, ids)
+    assert torch.equal(logits_of(tmp_path, ids), expected)
+
+
+def quantize_fp8(weight: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 e4m3 with 128x128 scales (powers of two when ``ue8m0``)."""
+    rows, cols = weight.shape
+    blocks = torch.nn.functional.pad(weight, (0, -cols % FP8_BLOCK, 0, -rows % FP8_BLOCK))
+    blocks = blocks.view(blocks.shape[0] // FP8_BLOCK, FP8_BLOCK, -1, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    expanded = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    quantized = (weight / expanded).to(torch.float8_e4m3fn)
+    return quantized, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e2m1 with one power-of-two scale per 32 inputs, two values per byte (even one low)."""
+    rows, cols = weight.shape
+    blocks = weight.view(rows, cols // FP4_BLOCK, FP4_BLOCK)
+    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-12) / 6.0)))
+    scaled = (blocks / scale[..., None]).flatten(1)
+    magnitude = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.float4_e2m1fn_x2), scale.to(torch.float8_e8m0fnu)
+
+
+def dequantized_by_hand(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    if quantized.dtype == torch.float8_e4m3fn:
+        values = quantized.float()
+    else:
+        codes = quantized.view(torch.uint8)
+        nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(1).long()
+        values = E2M1_MAGNITUDES[nibbles & 7] * torch.where(nibbles >= 8, -1.0, 1.0)
+    rows, cols = values.shape
+    return values * scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+FP8_TENSORS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".shared_experts.")
+
+
+@pytest.mark.parametrize("ue8m0", [True, False], ids=["ue8m0-scales", "float-scales"])
+def test_fp8_checkpoint_loads_dequantized(tmp_path, tiny_path, release_tensors, ids, ue8m0):
+    quantized, by_hand = {}, {}
+    for name, tensor in release_tensors.items():
+        if name.endswith(".weight") and any(part in name for part in FP8_TENSORS):
+            weight, scale = quantize_fp8(tensor, ue8m0)
+            quantized[name], quantized[name.removesuffix(".weight") + ".scale"] = weight, scale
+            by_hand[name] = dequantized_by_hand(weight, scale, (FP8_BLOCK, FP8_BLOCK))
+        else:
+            quantized[name] = by_hand[name] = tensor
+    fp8 = logits_of(copy_with_tensors(tiny_path, tmp_path / "fp8", quantized), ids)
+    assert torch.equal(fp8, logits_of(copy_with_tensors(tiny_path, tmp_path / "ref", by_hand), ids))
+    # Against the unquantized weights, each value is off by at most e4m3's rounding: half a
+    # unit in the last of 3 mantissa bits (2^-4 relative), or half the smallest subnormal step.
+    for name, tensor in release_tensors.items():
+        if name in quantized and name.removesuffix(".weight") + ".scale" in quantized:
+            step = quantized[name.removesuffix(".weight") + ".scale"].float().max().item() * 2.0**-9
+            bound = tensor.abs() * 2.0**-4 + step / 2
+            assert ((by_hand[name] - tensor).abs() <= bound + 1e-12).all(), name
+    exact = logits_of(tiny_path, ids)
+    relative = ((fp8 - exact).abs().max() / exact.abs().max()).item()
+    agree = (fp8.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    print(f"FP8 ({'ue8m0' if ue8m0 else 'float'} scales): max logit error {relative:.3f} of the scale, top-1 agreement {agree:.2%}")
+    assert relative > 0
+
+
+def test_fp4_experts_load_dequantized(tmp_path, tiny_path, release_tensors, ids):
+    quantized, by_hand = {}, {}
+    for name, tensor in release_tensors.items():
+        if ".ffn.experts." in name:
+            weight, scale = quantize_fp4(tensor)
+            quantized[name], quantized[name.removesuffix(".weight") + ".scale"] = weight, scale
+            by_hand[name] = dequantized_by_hand(weight, scale, (1, FP4_BLOCK))
+        else:
+            quantized[name] = by_hand[name] = tensor
+    fp4 = logits_of(copy_with_tensors(tiny_path, tmp_path / "fp4", quantized), ids)
+    assert torch.equal(fp4, logits_of(copy_with_tensors(tiny_path, tmp_path / "ref", by_hand), ids))
+    assert not torch.equal(fp4, logits_of(tiny_path, ids))
+
+
+def test_mtp_tensors_are_skipped_with_one_log_line(tmp_path, tiny_path, release_tensors, ids, caplog):
+    tensors = dict(release_tensors) | {"mtp.0.e_proj.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4)}
+    with caplog.at_level(logging.INFO, logger="sglang_dsv4.model.loader"):
+        logits = logits_of(copy_with_tensors(tiny_path, tmp_path / "mtp", tensors), ids)
+    assert [r.message for r in caplog.records if "mtp" in r.message] == ["skipped 2 multi-token-prediction (mtp.*) tensors"]
+    assert torch.equal(logits, logits_of(tiny_path, ids))
+
+
+def without(tensors: dict, *names: str) -> dict:
+    return {k: v for k, v in tensors.items() if k not in names}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: without(t, "layers.1.attn.indexer.wq_b.weight"), "missing tensors: ['layers.1.attn.indexer.wq_b.weight']"),
+        (lambda t: without(t, "layers.2.ffn.experts.5.w2.weight"), "layers.2.ffn.experts.w2: missing experts [5]"),
+        (lambda t: t | {"layers.0.attn.extra.weight": torch.zeros(2)}, "unexpected tensors: ['layers.0.attn.extra.weight']"),
+        (lambda t: t | {"layers.9.attn_norm.weight": torch.zeros(64)}, "unexpected tensors: ['layers.9.attn_norm.weight']"),
+        (lambda t: t | {"head.weight": torch.zeros(3, 64)}, "head.weight: shape (3, 64) in the checkpoint, (1024, 64) expected"),
+        (
+            lambda t: t | {"layers.0.attn.wq_a.weight": t["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn)},
+            "layers.0.attn.wq_a.weight is torch.float8_e4m3fn but has no '.scale' block scales",
+        ),
+        (
+            lambda t: t
+            | {
+                "layers.0.attn.wq_a.weight": t["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn),
+                "layers.0.attn.wq_a.scale": torch.ones(2, 2),
+            },
+            "layers.0.attn.wq_a: FP8 weight (32, 64) needs scales of shape (1, 1)",
+        ),
+    ],
+    ids=["missing", "missing-expert", "unexpected", "extra-layer", "wrong-shape", "fp8-no-scale", "fp8-bad-scale"],
+)
+def test_bad_checkpoint_raises_a_named_error(tmp_path, tiny_path, release_tensors, change, message):
+    path = copy_with_tensors(tiny_path, tmp_path / "bad", change(dict(release_tensors)))
+    with pytest.raises(CheckpointError) as error:
+        load_model(path)
+    assert message in str(error.value)
+
+
+def test_directory_without_weights_is_named(tmp_path, tiny_path):
+    shutil.copy(tiny_path / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        load_model(tmp_path)
+
+
+def test_quantization_helpers_round_trip_exactly_representable_values():
+    weight = torch.tensor([[0.5, -1.0, 6.0, 0.0] * 8])
+    packed, scale = quantize_fp4(weight)
+    assert torch.equal(dequantized_by_hand(packed, scale, (1, FP4_BLOCK)), weight)
+    assert math.isclose(scale.float().item(), 1.0)

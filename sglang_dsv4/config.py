@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,15 @@ def load_config(model_dir: str | Path) -> DeepseekV4Config:
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the checkpoint directory")
     return parse_config(json.loads(path.read_text()))
+
+
+def named_config(name: str) -> DeepseekV4Config:
+    """A config shipped with the package: ``"flash"`` (DeepSeek-V4-Flash)."""
+    shipped = resources.files("sglang_dsv4.configs")
+    names = sorted(p.name.removesuffix(".json") for p in shipped.iterdir() if p.name.endswith(".json"))
+    if name not in names:
+        raise ConfigError(f"no shipped config {name!r}; shipped: {names}")
+    return parse_config(json.loads(shipped.joinpath(f"{name}.json").read_text()))
 
 
 def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
@@ -224,7 +234,9 @@ def _compression_rates(reader: _Reader) -> tuple[int, int]:
     if csa != CSA_RATE:
         raise ConfigError(f"'compress_rates.compressed_sparse_attention' is {csa!r}; allowed: {CSA_RATE}")
     if not isinstance(hca, int) or isinstance(hca, bool) or hca <= CSA_RATE:
-        raise ConfigError(f"'compress_rates.heavily_compressed_attention' is {hca!r}; allowed: an integer above {CSA_RATE}")
+        raise ConfigError(
+            f"'compress_rates.heavily_compressed_attention' is {hca!r}; allowed: an integer above {CSA_RATE}"
+        )
     return csa, hca
 
 

@@ -195,10 +195,16 @@ def training_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
         elif kind == 2:
             texts.append(f"$ {rng.choice(commands)} src/{rng.choice(names)}_{rng.randint(0, 999)}.py")
         elif kind == 3:
-            payload = {"command": rng.choice(commands), "path": f"/repo/{rng.choice(names)}.py", "line": rng.randint(1, 500)}
+            payload = {
+                "command": rng.choice(commands),
+                "path": f"/repo/{rng.choice(names)}.py",
+                "line": rng.randint(1, 500),
+            }
             texts.append(json.dumps({"name": "bash", "arguments": payload}))
         else:
-            texts.append(f"{rng.choice(names)} = {rng.randint(-1000, 100000)} # {rng.choice(words)} {rng.choice(words)}")
+            texts.append(
+                f"{rng.choice(names)} = {rng.randint(-1000, 100000)} # {rng.choice(words)} {rng.choice(words)}"
+            )
     return texts
 
 

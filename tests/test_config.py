@@ -20,7 +20,11 @@ def release_config(**changes) -> dict:
 def hf_style(raw: dict) -> dict:
     """The same architecture in the spelling transformers' save_pretrained writes."""
     names = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-    hf = {k: v for k, v in raw.items() if k not in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")}
+    hf = {
+        k: v
+        for k, v in raw.items()
+        if k not in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")
+    }
     hf["layer_types"] = [names[r] for r in raw["compress_ratios"]]
     hf["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
     hf["mlp_layer_types"] = ["hash_moe"] * raw["num_hash_layers"] + ["moe"] * (
@@ -108,3 +112,14 @@ def test_missing_config_file_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(release_config(vocab_size=0)))
     with pytest.raises(ConfigError, match="'vocab_size' must be >= 1"):
         load_config(tmp_path)
+
+
+def test_shipped_flash_config_is_v4_flash():
+    from sglang_dsv4.config import named_config
+
+    flash = named_config("flash")
+    kinds = [flash.layer_kind(i) for i in range(flash.num_layers)]
+    assert (kinds.count("window"), kinds.count("csa"), kinds.count("hca")) == (2, 21, 20)
+    assert (flash.hidden_size, flash.num_heads, flash.head_dim, flash.index_topk) == (4096, 64, 512, 512)
+    with pytest.raises(ConfigError, match="no shipped config 'ultra'"):
+        named_config("ultra")

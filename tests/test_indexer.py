@@ -6,7 +6,6 @@ import torch
 from conftest import random_ids
 
 
-
 def test_indexer_selects_the_same_entries_as_hf_indexer(tiny_model, hf_tiny):
     layer = next(i for i in range(tiny_model.config.num_layers) if tiny_model.config.layer_kind(i) == "csa")
     ours = tiny_model.layers[layer].attn
@@ -43,7 +42,7 @@ def test_selection_changes_the_logits(tiny_model):
             ix.topk = 10**9  # every visible entry
         everything = tiny_model(ids, tiny_model.new_state())
     finally:
-        for ix, k in zip(indexers, saved):
+        for ix, k in zip(indexers, saved, strict=True):
             ix.topk = k
     late = slice(4 * 4 * saved[0], None)  # positions with more visible entries than top-k
     assert (selective[late] - everything[late]).abs().max() > 1e-2

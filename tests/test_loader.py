@@ -48,7 +48,9 @@ def test_hf_saved_checkpoints_give_the_release_logits(tmp_path, tiny_path, hf_ti
     if original_format:  # release names under "model.", with a few HF names mixed in
         assert "model.layers.1.attn.norm.weight" in names and "model.embed_tokens.weight" in names
     else:
-        assert "model.layers.1.self_attn.q_a_proj.weight" in names and "model.layers.1.mlp.experts.gate_up_proj" in names
+        assert (
+            "model.layers.1.self_attn.q_a_proj.weight" in names and "model.layers.1.mlp.experts.gate_up_proj" in names
+        )
     expected = logits_of(tiny_path, ids)
     assert torch.equal(logits_of(tmp_path, ids), expected)
 
@@ -89,7 +91,15 @@ def dequantized_by_hand(quantized: torch.Tensor, scale: torch.Tensor, block: tup
     return values * scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
-FP8_TENSORS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".shared_experts.")
+FP8_TENSORS = (
+    ".attn.wq_a.",
+    ".attn.wq_b.",
+    ".attn.wkv.",
+    ".attn.wo_a.",
+    ".attn.wo_b.",
+    ".indexer.wq_b.",
+    ".shared_experts.",
+)
 
 
 @pytest.mark.parametrize("ue8m0", [True, False], ids=["ue8m0-scales", "float-scales"])
@@ -114,7 +124,8 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, tiny_path, release_tensors, 
     exact = logits_of(tiny_path, ids)
     relative = ((fp8 - exact).abs().max() / exact.abs().max()).item()
     agree = (fp8.argmax(-1) == exact.argmax(-1)).float().mean().item()
-    print(f"FP8 ({'ue8m0' if ue8m0 else 'float'} scales): max logit error {relative:.3f} of the scale, top-1 agreement {agree:.2%}")
+    scales = "ue8m0" if ue8m0 else "float"
+    print(f"FP8 ({scales} scales): max logit error {relative:.3f} of the scale, top-1 agreement {agree:.2%}")
     assert relative > 0
 
 
@@ -136,7 +147,9 @@ def test_mtp_tensors_are_skipped_with_one_log_line(tmp_path, tiny_path, release_
     tensors = dict(release_tensors) | {"mtp.0.e_proj.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4)}
     with caplog.at_level(logging.INFO, logger="sglang_dsv4.model.loader"):
         logits = logits_of(copy_with_tensors(tiny_path, tmp_path / "mtp", tensors), ids)
-    assert [r.message for r in caplog.records if "mtp" in r.message] == ["skipped 2 multi-token-prediction (mtp.*) tensors"]
+    assert [r.message for r in caplog.records if "mtp" in r.message] == [
+        "skipped 2 multi-token-prediction (mtp.*) tensors"
+    ]
     assert torch.equal(logits, logits_of(tiny_path, ids))
 
 
@@ -147,21 +160,35 @@ def without(tensors: dict, *names: str) -> dict:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda t: without(t, "layers.1.attn.indexer.wq_b.weight"), "missing tensors: ['layers.1.attn.indexer.wq_b.weight']"),
+        (
+            lambda t: without(t, "layers.1.attn.indexer.wq_b.weight"),
+            "missing tensors: ['layers.1.attn.indexer.wq_b.weight']",
+        ),
         (lambda t: without(t, "layers.2.ffn.experts.5.w2.weight"), "layers.2.ffn.experts.w2: missing experts [5]"),
-        (lambda t: t | {"layers.0.attn.extra.weight": torch.zeros(2)}, "unexpected tensors: ['layers.0.attn.extra.weight']"),
-        (lambda t: t | {"layers.9.attn_norm.weight": torch.zeros(64)}, "unexpected tensors: ['layers.9.attn_norm.weight']"),
-        (lambda t: t | {"head.weight": torch.zeros(3, 64)}, "head.weight: shape (3, 64) in the checkpoint, (1024, 64) expected"),
+        (
+            lambda t: t | {"layers.0.attn.extra.weight": torch.zeros(2)},
+            "unexpected tensors: ['layers.0.attn.extra.weight']",
+        ),
+        (
+            lambda t: t | {"layers.9.attn_norm.weight": torch.zeros(64)},
+            "unexpected tensors: ['layers.9.attn_norm.weight']",
+        ),
+        (
+            lambda t: t | {"head.weight": torch.zeros(3, 64)},
+            "head.weight: shape (3, 64) in the checkpoint, (1024, 64) expected",
+        ),
         (
             lambda t: t | {"layers.0.attn.wq_a.weight": t["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn)},
             "layers.0.attn.wq_a.weight is torch.float8_e4m3fn but has no '.scale' block scales",
         ),
         (
-            lambda t: t
-            | {
-                "layers.0.attn.wq_a.weight": t["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn),
-                "layers.0.attn.wq_a.scale": torch.ones(2, 2),
-            },
+            lambda t: (
+                t
+                | {
+                    "layers.0.attn.wq_a.weight": t["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn),
+                    "layers.0.attn.wq_a.scale": torch.ones(2, 2),
+                }
+            ),
             "layers.0.attn.wq_a: FP8 weight (32, 64) needs scales of shape (1, 1)",
         ),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import random_ids
 
@@ -14,10 +15,14 @@ def test_restored_snapshot_continues_exactly(tiny_model):
     state = tiny_model.new_state()
     tiny_model(ids[:position], state)
     snapshot = state.snapshot()
-    uninterrupted = torch.cat([tiny_model(ids[position:450], state)] + [tiny_model(ids[i : i + 1], state) for i in range(450, 460)])
+    uninterrupted = torch.cat(
+        [tiny_model(ids[position:450], state)] + [tiny_model(ids[i : i + 1], state) for i in range(450, 460)]
+    )
 
     fresh = tiny_model.restore(snapshot)
-    resumed = torch.cat([tiny_model(ids[position:450], fresh)] + [tiny_model(ids[i : i + 1], fresh) for i in range(450, 460)])
+    resumed = torch.cat(
+        [tiny_model(ids[position:450], fresh)] + [tiny_model(ids[i : i + 1], fresh) for i in range(450, 460)]
+    )
     assert (resumed - uninterrupted).abs().max().item() <= 1e-5
     # The snapshot itself was not advanced: it can be restored again.
     assert snapshot.position == position
@@ -53,3 +58,30 @@ def test_state_bytes_follow_the_position_formula(tiny_model):
     state = tiny_model.new_state()
     tiny_model(random_ids(1000, config.vocab_size, seed=14), state)
     assert state.nbytes == state_nbytes(config, 1000, kv_bytes=4)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (torch.tensor([], dtype=torch.long), "non-empty"),
+        (torch.zeros(2, 3, dtype=torch.long), "1-D"),
+        (torch.tensor([5, 1024]), "token ids must be in [0, 1024); got min 5, max 1024"),
+        (torch.tensor([-1, 3]), "got min -1"),
+    ],
+)
+def test_bad_input_ids_are_refused_and_leave_the_state_alone(tiny_model, ids, message):
+    state = tiny_model.new_state()
+    with pytest.raises(ValueError) as error:
+        tiny_model(ids, state)
+    assert message in str(error.value) and state.position == 0
+
+
+def test_bfloat16_model_runs_with_float32_compressor_state(tiny_path):
+    from sglang_dsv4 import load_model
+
+    model = load_model(tiny_path, dtype=torch.bfloat16)
+    state = model.new_state()
+    logits = model(random_ids(140, model.config.vocab_size, seed=15), state)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert state.layers[2].compressor.entries.dtype == torch.bfloat16
+    assert state.layers[2].compressor.current.max.dtype == torch.float32

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import math
 
-import torch
 from conftest import random_ids
 from safetensors.torch import load_file
 
@@ -77,7 +76,9 @@ def test_tokenizer_loads_and_renders_agent_chats(tiny_path):
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}],
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
+            ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "README.md"},
     ]

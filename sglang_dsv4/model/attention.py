@@ -103,8 +103,7 @@ class Attention(nn.Module):
         logits = torch.einsum("lhd,kd->lhk", q, keys) * self.head_dim**-0.5
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
         sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
-        combined = torch.cat([logits, sink], dim=-1)
-        probs = torch.softmax(combined - combined.amax(-1, keepdim=True), dim=-1)[..., :-1]
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         return torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:

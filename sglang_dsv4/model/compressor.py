@@ -156,9 +156,7 @@ class Compressor(nn.Module):
         slots_logits = logits.new_full((num_blocks * ratio, kv.shape[-1]), float("-inf"))
         slots_kv[offset : offset + length] = kv
         slots_logits[offset : offset + length] = logits
-        pools = SoftmaxPool.of_slots(
-            slots_kv.view(num_blocks, ratio, -1), slots_logits.view(num_blocks, ratio, -1)
-        )
+        pools = SoftmaxPool.of_slots(slots_kv.view(num_blocks, ratio, -1), slots_logits.view(num_blocks, ratio, -1))
         if self.overlapping:
             entry_pools = self._advance_overlapping(pools, complete, state)
         else:

@@ -29,7 +29,9 @@ class Indexer(nn.Module):
             config.hidden_size, self.head_dim, config.csa_rate, True, rotary, config.rms_norm_eps
         )
 
-    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
         """Index scores ``[L, num_keys]`` of every query against every key (float32)."""
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(positions)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import DeepseekV4Config, load_config
+from ..config import load_config
 from .network import DeepseekV4
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def release_name(name: str) -> str:
     return name
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepseekV4:
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DeepseekV4:
     """Build the network from ``path``'s ``config.json`` and load its safetensors."""
     config = load_config(path)
     with torch.device("meta"):

@@ -17,7 +17,7 @@ from .attention import Attention
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
 from .rope import Rotary
-from .state import RequestState
+from .state import LayerState, RequestState
 
 
 class Block(nn.Module):
@@ -32,7 +32,7 @@ class Block(nn.Module):
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, state) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, state: LayerState) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
         streams = HyperConnection.post(self.attn(self.attn_norm(x), start, state), streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
@@ -72,12 +72,19 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
         """Logits ``[len(input_ids), vocab]`` (float32) of the new tokens; advances ``state``."""
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D (one request's new tokens), got shape {tuple(input_ids.shape)}")
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(
+                f"input_ids must be 1-D and non-empty (one request's new tokens), got shape {tuple(input_ids.shape)}"
+            )
+        vocab = self.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(
+                f"token ids must be in [0, {vocab}); got min {int(input_ids.min())}, max {int(input_ids.max())}"
+            )
         input_ids = input_ids.to(self.device)
         start = state.position
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for block, layer_state in zip(self.layers, state.layers):
+        for block, layer_state in zip(self.layers, state.layers, strict=True):
             streams = block(streams, input_ids, start, layer_state)
         state.position = start + input_ids.shape[0]
         return self.head(self.norm(self.hc_head(streams))).float()

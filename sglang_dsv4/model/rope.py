@@ -21,6 +21,7 @@ def rope_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> t
     base_freq = 1.0 / (theta**exponents)
     if yarn is None:
         return base_freq
+
     # YaRN: interpolate (divide by `factor`) the low frequencies, keep the high ones,
     # with a linear ramp between the dims that turn beta_fast and beta_slow times
     # over the original context.

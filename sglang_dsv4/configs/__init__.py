@@ -1,0 +1,1 @@
+"""Architecture configs shipped with the package (``config.json`` style, no weights)."""

@@ -1,0 +1,68 @@
+"""Start the real ``python -m sglang.launch_server`` for a test module, and talk to it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict | None = None) -> Iterator[str]:
+    """A CPU server on a free loopback port; yields its base URL and stops it on exit."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--device", "cpu",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-total-tokens", "4096",
+        "--sleep-on-idle",
+        *extra_args,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        # Started outside the source tree, so the installed package is the one imported.
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})}
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_healthy(url, process, log_path)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")

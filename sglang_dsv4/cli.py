@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .moe import plan_command as plan_experts
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 for SGLang")
@@ -23,11 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--prompt", default="def fix_bug(request):")
     generate.add_argument("--max-new-tokens", type=int, default=32)
 
+    plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
+
     args = parser.parse_args(argv)
     if args.command == "tiny":
         from .tiny import build_checkpoint
 
         print(build_checkpoint(args.out_dir))
+    elif args.command == "plan-experts":
+        plan_experts.run(args)
     else:
         _generate(args.model, args.prompt, args.max_new_tokens)
 

@@ -1,6 +1,18 @@
-"""Mixture of experts: routing (sqrt-softplus gate, hash routing) and the expert FFN."""
+"""Mixture of experts: routing (sqrt-softplus gate, hash routing), the expert FFN, EP load planning."""
 
 from .experts import MoE
+from .load import HashLoadPredictor, expected_hash_loads, token_histogram
+from .placement import ExpertPlanError, Placement, plan_placement
 from .routing import Gate, sqrt_softplus
 
-__all__ = ["Gate", "MoE", "sqrt_softplus"]
+__all__ = [
+    "ExpertPlanError",
+    "Gate",
+    "HashLoadPredictor",
+    "MoE",
+    "Placement",
+    "expected_hash_loads",
+    "plan_placement",
+    "sqrt_softplus",
+    "token_histogram",
+]

@@ -1,0 +1,1 @@
+"""Attention backends SGLang calls for V4: the torch reference (Triton kernels later, same interface)."""

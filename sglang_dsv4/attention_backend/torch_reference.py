@@ -1,0 +1,71 @@
+"""The torch reference attention backend: every layer kind, prefill, extend and decode.
+
+For each request of a batch it loads the layer's state at the request's position from
+the V4 pool, runs the network's :class:`~sglang_dsv4.model.attention.Attention` on the
+request's new tokens, and stores the advanced state back. Correct everywhere, fast
+nowhere: the Triton kernels come behind the same :meth:`attend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+from ..memory_pool.pool import V4KVPool
+from ..model.attention import Attention
+
+NAME = "dsv4_torch"
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request's new tokens in a batch: rows ``offset .. offset + length`` from position ``start``."""
+
+    request: int  # req_pool_idx
+    start: int
+    length: int
+    offset: int
+
+
+class TorchReferenceBackend(AttentionBackend):
+    def __init__(self, model_runner):
+        super().__init__()
+        self.token_to_kv_pool: V4KVPool = model_runner.token_to_kv_pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        if not isinstance(self.token_to_kv_pool, V4KVPool):
+            raise TypeError(f"{NAME} needs the V4 KV pool, got {type(self.token_to_kv_pool).__name__}")
+        self.spans: list[RequestSpan] = []
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.spans = request_spans(forward_batch)
+
+    def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``."""
+        pool = self.token_to_kv_pool
+        out = torch.empty_like(x)
+        for span in self.spans:
+            rows = slice(span.offset, span.offset + span.length)
+            state = pool.load(layer, span.request, span.start)
+            out[rows] = attention(x[rows], span.start, state)
+            pool.store(layer, span.request, span.start, span.start + span.length, state)
+        return out
+
+
+def request_spans(forward_batch: ForwardBatch) -> list[RequestSpan]:
+    """Where each request's new tokens sit in the batch and at which position they start."""
+    requests = forward_batch.req_pool_indices.tolist()
+    if forward_batch.forward_mode.is_decode_or_idle():
+        seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+        starts = [n - 1 for n in seq_lens.tolist()]
+        lengths = [1] * len(requests)
+    else:
+        starts = list(forward_batch.extend_prefix_lens_cpu)
+        lengths = list(forward_batch.extend_seq_lens_cpu)
+    spans, offset = [], 0
+    for request, start, length in zip(requests, starts, lengths, strict=True):
+        spans.append(RequestSpan(request, int(start), int(length), offset))
+        offset += int(length)
+    return spans

@@ -1,0 +1,1 @@
+"""V4 KV pools: compressed entries per token slot, windows and compressor states per request."""

@@ -1,0 +1,61 @@
+"""DeepSeek-V4 as an SGLang model: the network's modules driven by SGLang's forward batch.
+
+Everything but attention runs batched over all new tokens of the batch (embedding, mHC,
+norms, MoE, head); attention goes through the attention backend, which reads and writes
+each request's state in the V4 pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import get_attn_backend
+from torch import nn
+
+from ..config import parse_config
+from .loader import load_weights
+from .mhc import HyperConnection
+from .network import DeepseekV4
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Registered under the checkpoint's architecture name, ``DeepseekV4ForCausalLM``."""
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        self.v4_config = parse_config(config.to_dict())
+        self.network = DeepseekV4(self.v4_config)
+        self.logits_processor = LogitsProcessor(config)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> LogitsProcessorOutput:
+        if input_embeds is not None:
+            raise ValueError(
+                "DeepSeek-V4 routes its first MoE layers by token id (hash routing): it needs input_ids, "
+                "not input embeddings"
+            )
+        network = self.network
+        attention_backend = get_attn_backend()
+        streams = network.embed(input_ids).unsqueeze(1).expand(-1, self.v4_config.hc_mult, -1).contiguous()
+        for layer, block in enumerate(network.layers):
+            x, post, comb = block.hc_attn.pre(streams)
+            attended = attention_backend.attend(block.attn, layer, block.attn_norm(x), forward_batch)
+            streams = HyperConnection.post(attended, streams, post, comb)
+            x, post, comb = block.hc_ffn.pre(streams)
+            streams = HyperConnection.post(block.ffn(block.ffn_norm(x), input_ids), streams, post, comb)
+        hidden = network.norm(network.hc_head(streams))
+        return self.logits_processor(input_ids, hidden, network.head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self.network, weights, dtype=self.network.dtype)

@@ -1,0 +1,149 @@
+"""What SGLang's plugin loader calls (entry point group ``sglang.srt.plugins``).
+
+For checkpoints whose architecture is ``DeepseekV4ForCausalLM`` the plugin puts this
+package's model, KV pool and attention backend in place of upstream's V4 path, and
+takes over the decisions upstream forces for that architecture (its ``dsv4`` backend,
+256-token pages, FP8 KV cache, a pool that refuses out-of-tree platforms), through
+SGLang's registries and hooks only. ``SGLANG_DSV4_PLUGIN_DISABLE=1`` leaves V4 to upstream.
+
+SGLang only logs a hook whose target moved; the model refuses to start instead
+(:func:`require_hooks_applied`), naming the hooks that did not apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from .settings import settings
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+_UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
+_KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+_CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
+REQUIRED_HOOKS = (_UPSTREAM_V4_DEFAULTS, _KV_POOL_BUILDER, _CHAT_ENCODING)
+
+
+def register() -> None:
+    """Entry point: register the model, the attention backend, the overrides and the hooks."""
+    if settings().disable:
+        logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
+        return
+    _register_model()
+    _register_attention_backend()
+    _register_server_arg_overrides()
+    HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
+    HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
+    HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
+
+
+def require_hooks_applied() -> None:
+    """Refuse to start when a hook this plugin needs did not apply (SGLang only logs that)."""
+    missing = [target for target in REQUIRED_HOOKS if target not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(
+            f"sglang-dsv4: hooks not applied: {missing}. This SGLang version is not the one the plugin "
+            "supports (sglang==0.5.23); set SGLANG_DSV4_PLUGIN_DISABLE=1 to use upstream's V4 path."
+        )
+
+
+def _register_model() -> None:
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .model.sglang_model import DeepseekV4ForCausalLM
+
+    ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
+
+
+def _register_attention_backend() -> None:
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    from .attention_backend.torch_reference import NAME, TorchReferenceBackend
+
+    register_attention_backend(NAME)(TorchReferenceBackend)
+    add_attention_backend_choices([NAME])
+
+
+def _register_server_arg_overrides() -> None:
+    # Upstream's provider for the architecture must be registered first: the last one wins.
+    import sglang.srt.arg_groups.model_overrides.deepseek_v4  # noqa: F401
+    from sglang.srt.arg_groups.model_override_base import register_model_override
+
+    register_model_override(ARCHITECTURE)(_server_arg_overrides)
+
+
+def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
+    """Our backend, token-granular pages, one token pool, no prefix sharing.
+
+    Until the prefix cache resumes requests exactly, a prefix hit could not restore the
+    window and compressor state, so the radix cache is off for V4.
+    """
+    from .attention_backend.torch_reference import NAME
+
+    require_hooks_applied()
+    return {
+        "attention_backend": NAME,
+        "page_size": 1,
+        "disable_radix_cache": True,
+        "disable_hybrid_swa_memory": True,
+    }
+
+
+def _prefer_checkpoint_chat_template(original, *, hf_config: Any, tokenizer: Any, tool_call_parser=None):
+    """A V4 checkpoint that ships a chat template is rendered with it.
+
+    Upstream picks its DeepSeek-V4 encoder for any V4 architecture; it needs V4's own
+    special tokens, which a checkpoint with its own template (the tiny one) need not have.
+    An explicit ``--tool-call-parser`` still selects upstream's encoder.
+    """
+    spec = original(hf_config=hf_config, tokenizer=tokenizer, tool_call_parser=tool_call_parser)
+    if spec == "dsv4" and tool_call_parser is None and getattr(tokenizer, "chat_template", None):
+        return None
+    return spec
+
+
+def _skip_upstream_v4_defaults(original, server_args: Any, model_arch: str) -> None:
+    """Upstream's V4 defaults configure its own kernels (FP8 KV cache, dsv4 backends): not ours."""
+    logger.info("sglang-dsv4 serves %s; upstream's DeepSeek-V4 defaults are not applied", model_arch)
+
+
+def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
+    if not is_dsv4_model:
+        return original(
+            configurator,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+        )
+    from .config import parse_config
+    from .memory_pool.pool import V4KVPool
+
+    pool = V4KVPool(
+        size=sizes.max_total_num_tokens,
+        page_size=configurator.pool_page_size,
+        config=parse_config(configurator.model_config.hf_config.to_dict()),
+        kv_dtype=configurator.kv_cache_dtype,
+        max_requests=req_to_token_pool.size,
+        max_context=req_to_token_pool.max_context_len,
+        device=configurator.device,
+    )
+    # SGLang reserves each request's compressed-entry rows before a forward and returns
+    # them when it frees the request, through the request pool's auxiliary cache.
+    req_to_token_pool.attach_aux_cache(pool.block_tables)
+    layout = pool.layout
+    logger.info(
+        "sglang-dsv4 KV pool: %d token slots, %d requests; %.1f B/token, %d B/request (%s); %.3f GiB allocated",
+        sizes.max_total_num_tokens,
+        req_to_token_pool.size,
+        layout.bytes_per_token,
+        layout.bytes_per_request,
+        configurator.kv_cache_dtype,
+        pool.allocated_bytes / 2**30,
+    )
+    return pool

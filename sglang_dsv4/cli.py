@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .memory_pool import ledger
 from .moe import plan_command as plan_experts
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=32)
 
     plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
+    ledger.add_arguments(commands.add_parser("ledger", help="KV bytes per token and per request, reference vs ours"))
 
     args = parser.parse_args(argv)
     if args.command == "tiny":
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         print(build_checkpoint(args.out_dir))
     elif args.command == "plan-experts":
         plan_experts.run(args)
+    elif args.command == "ledger":
+        ledger.run(args)
     else:
         _generate(args.model, args.prompt, args.max_new_tokens)
 

@@ -1,0 +1,237 @@
+"""The KV ledger: what one V4 request costs, per token of context and fixed per request.
+
+Two layouts side by side, for any V4 config:
+
+* the *reference* layout, DeepSeek's own serving layout, which the published figures
+  describe (V4-Flash: 3,850 B/token, 14.7 MiB per request; V4-Pro: 5,511 B/token,
+  22.2 MiB): FP8-packed KV entries, FP8 indexer keys, and the compressors' partial blocks
+  kept as raw float32 rows;
+* *ours*, read from :class:`~.layout.PoolLayout` — the definitions :class:`~.pool.V4KVPool`
+  allocates from, so the figure a user reads is the figure the server uses: entries and
+  indexer keys in the KV dtype, the window as a per-request ring, and the compressor state
+  as float32 online softmax pools (DESIGN.md, "The state of one request").
+
+``dsv4 ledger --config {flash,pro,PATH}`` prints the table (:func:`run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, DeepseekV4Config, load_config, named_config, parse_config
+from .layout import PoolLayout
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_CONTEXTS = (131072, 1048576)
+
+# Reference KV entry (upstream SGLang's DSV4 "V4" KV layout): the non-rope dims in FP8 with
+# one UE8M0 scale byte per 64 of them, the rope dims in BF16, one pad byte. For head_dim 512
+# and rope 64: 448 + 64 * 2 + 7 + 1 = 584 bytes.
+ENTRY_SCALE_BLOCK = 64
+ENTRY_SCALE_PAD = 1
+ROPE_BYTES = 2
+# Reference indexer key: FP8 values with one float32 scale per 128 of them: 128 + 4 = 132
+# bytes for index_head_dim 128 (an FP4 packing would be 128 / 2 + 128 / 32 = 68 bytes).
+INDEXER_SCALE_BLOCK = 128
+INDEXER_SCALE_BYTES = 4
+# Reference compressor state, per request and layer, as raw float32 rows: a ratio-r
+# compressor keeps the tokens of its partial block, each row holding the projected KV and
+# its gate score (2 series); the overlapping ratio-4 compressor keeps two blocks' worth of
+# rows (2 * r) and two halves per row, for the compressor and the indexer's compressor.
+REFERENCE_STATE_BYTES = 4
+SERIES = 2  # KV and score
+OVERLAP = 2
+
+
+@dataclass(frozen=True)
+class ReferenceLayout:
+    """DeepSeek's serving layout of a V4 config; the published figures are computed from it."""
+
+    config: DeepseekV4Config
+
+    @property
+    def entry_bytes(self) -> int:
+        """One FP8-packed KV entry (a window row or a compressed entry): 584 B for V4."""
+        config = self.config
+        nope = config.nope_head_dim
+        return nope + config.rope_head_dim * ROPE_BYTES + nope // ENTRY_SCALE_BLOCK + ENTRY_SCALE_PAD
+
+    @property
+    def indexer_key_bytes(self) -> int:
+        """One FP8 indexer key with its float32 scales: 132 B for V4."""
+        dim = self.config.index_head_dim
+        return dim + dim // INDEXER_SCALE_BLOCK * INDEXER_SCALE_BYTES
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Compressed entries (and, at ratio 4, indexer keys) per token of context."""
+        config, total = self.config, 0.0
+        for layer in range(config.num_layers):
+            kind = config.layer_kind(layer)
+            if kind == "csa":
+                total += (self.entry_bytes + self.indexer_key_bytes) / config.csa_rate
+            elif kind == "hca":
+                total += self.entry_bytes / config.hca_rate
+        return total
+
+    @property
+    def window_bytes_per_request(self) -> int:
+        config = self.config
+        return config.num_layers * config.sliding_window * self.entry_bytes
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        config, floats = self.config, 0
+        for layer in range(config.num_layers):
+            kind = config.layer_kind(layer)
+            if kind == "csa":
+                rows = OVERLAP * config.csa_rate
+                floats += rows * SERIES * OVERLAP * (config.head_dim + config.index_head_dim)
+            elif kind == "hca":
+                floats += config.hca_rate * SERIES * config.head_dim
+        return floats * REFERENCE_STATE_BYTES
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Fixed bytes per running request: every layer's window and the compressor states."""
+        return self.window_bytes_per_request + self.state_bytes_per_request
+
+    def bytes_for(self, context: int) -> float:
+        return self.bytes_per_token * context + self.bytes_per_request
+
+
+@dataclass(frozen=True)
+class KVLedger:
+    """A V4 config's memory in the reference layout and in ours (KV dtype ``kv_dtype``)."""
+
+    config: DeepseekV4Config
+    kv_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def reference(self) -> ReferenceLayout:
+        return ReferenceLayout(self.config)
+
+    @property
+    def ours(self) -> PoolLayout:
+        return PoolLayout(self.config, self.kv_dtype)
+
+    @property
+    def fixed_ratio(self) -> float:
+        """Our fixed bytes per request over the reference's."""
+        return self.ours.bytes_per_request / self.reference.bytes_per_request
+
+    def table(self, contexts: Sequence[int] = DEFAULT_CONTEXTS, title: str = "DeepSeek-V4") -> str:
+        """The two layouts side by side: per token, fixed per request, total per context length."""
+        config, reference, ours = self.config, self.reference, self.ours
+        kinds = [config.layer_kind(layer) for layer in range(config.num_layers)]
+        dtype_name = str(self.kv_dtype).removeprefix("torch.")
+        rows = [
+            ("", "reference", f"ours ({dtype_name})"),
+            ("bytes per token", *(f"{layout.bytes_per_token:,.0f} B" for layout in (reference, ours))),
+            ("fixed bytes per request", *(_mib(layout.bytes_per_request) for layout in (reference, ours))),
+            ("  sliding window", *(_mib(layout.window_bytes_per_request) for layout in (reference, ours))),
+            ("  compressor state", *(_mib(layout.state_bytes_per_request) for layout in (reference, ours))),
+            ("fixed per request / reference", "1", _three_digits(self.fixed_ratio)),
+            *(
+                (f"total at {context:,} tokens", _gib(reference.bytes_for(context)), _gib(ours.bytes_for(context)))
+                for context in contexts
+            ),
+        ]
+        heading = (
+            f"{title}: {config.num_layers} layers ({kinds.count('window')} window-only,"
+            f" {kinds.count('csa')} ratio-{config.csa_rate}, {kinds.count('hca')} ratio-{config.hca_rate}),"
+            f" window {config.sliding_window}"
+        )
+        reference_note = (
+            f"reference: KV entries FP8-packed ({reference.entry_bytes} B), indexer keys FP8"
+            f" ({reference.indexer_key_bytes} B), compressor state as raw float32 rows"
+        )
+        ours_note = (
+            f"ours: KV entries and indexer keys in {dtype_name}, window as a per-request ring,"
+            " compressor state as float32 online pools (what the server allocates)"
+        )
+        lines = [heading, *_aligned(rows), reference_note, ours_note]
+        return "\n".join(lines)
+
+
+def resolve_config(spec: str) -> DeepseekV4Config:
+    """A shipped config by name (``flash``, ``pro``), else a checkpoint directory or a config.json path.
+
+    Shipped names win; spell a local directory of the same name as a path (``./pro``).
+    """
+    try:
+        return named_config(spec)
+    except ConfigError as unknown_name:
+        path = Path(spec)
+        if path.is_dir():
+            return load_config(path)
+        if path.is_file():
+            return parse_config(json.loads(path.read_text()))
+        raise ConfigError(f"--config {spec!r}: no such file or directory, and {unknown_name}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", required=True, help="a shipped config (flash, pro), a checkpoint directory or a config.json"
+    )
+    parser.add_argument(
+        "--kv-dtype", choices=list(KV_DTYPES), default="bf16", help="KV dtype of our layout (default: bf16)"
+    )
+    parser.add_argument(
+        "--context",
+        type=_context_length,
+        nargs="+",
+        default=list(DEFAULT_CONTEXTS),
+        help="context lengths to total (default: 131072 1048576)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        config = resolve_config(args.config)
+    except ConfigError as error:
+        raise SystemExit(f"dsv4 ledger: {error}") from None
+    ledger = KVLedger(config, KV_DTYPES[args.kv_dtype])
+    print(ledger.table(args.context, title=f"DeepSeek-V4 {args.config}"))
+
+
+def _context_length(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"context length {text!r} is not a positive integer")
+    return value
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Label column left-aligned, figure columns right-aligned, two spaces apart."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return [
+        "  ".join([row[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(row[1:], widths[1:]))])
+        for row in rows
+    ]
+
+
+def _three_digits(value: float) -> str:
+    """Three significant digits, without switching to exponent notation."""
+    if value == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{_three_digits(num_bytes / 2**20)} MiB"
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{_three_digits(num_bytes / 2**30)} GiB"

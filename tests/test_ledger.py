@@ -1,0 +1,127 @@
+"""The KV ledger: published reference figures, and our layout equal to what the pool allocates."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from sglang_dsv4.cli import main as dsv4
+from sglang_dsv4.config import ConfigError, named_config
+from sglang_dsv4.memory_pool.ledger import KV_DTYPES, KVLedger, resolve_config
+from sglang_dsv4.memory_pool.pool import V4KVPool
+
+MiB, GiB = 2**20, 2**30
+
+# (B/token, MiB per request, GiB at 128K, GiB at 1M), to the precision DeepSeek published.
+PUBLISHED = {
+    "flash": ("3,850", "14.7", "0.484", "3.77"),
+    "pro": ("5,511", "22.2", "0.69", "5.40"),
+}
+
+
+def reference_column(output: str) -> dict[str, str]:
+    """Row label -> the reference layout's cell of a printed ledger table."""
+    cells = {}
+    for line in output.splitlines():
+        columns = re.split(r"\s{2,}", line.strip())
+        if len(columns) == 3:
+            cells[columns[0]] = columns[1]
+    return cells
+
+
+def to_published_precision(value: float, published: str) -> str:
+    decimals = len(published.partition(".")[2])
+    return f"{value:,.{decimals}f}"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_reference_layout_reproduces_the_published_figures(name):
+    reference = KVLedger(named_config(name)).reference
+    assert reference.entry_bytes == 584 and reference.indexer_key_bytes == 132
+    figures = (
+        reference.bytes_per_token,
+        reference.bytes_per_request / MiB,
+        reference.bytes_for(131072) / GiB,
+        reference.bytes_for(1048576) / GiB,
+    )
+    assert tuple(map(to_published_precision, figures, PUBLISHED[name])) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_dsv4_ledger_prints_the_published_figures(name, capsys):
+    dsv4(["ledger", "--config", name])
+    cells = reference_column(capsys.readouterr().out)
+    rows = ("bytes per token", "fixed bytes per request", "total at 131,072 tokens", "total at 1,048,576 tokens")
+    printed = [float(cells[row].split()[0].replace(",", "")) for row in rows]
+    assert tuple(map(to_published_precision, printed, PUBLISHED[name])) == PUBLISHED[name]
+    assert [cells[row].split()[1] for row in rows] == ["B", "MiB", "GiB", "GiB"]
+
+
+def test_dsv4_ledger_totals_the_requested_contexts_in_the_requested_dtype(capsys):
+    dsv4(["ledger", "--config", "flash", "--kv-dtype", "fp8", "--context", "4096"])
+    output = capsys.readouterr().out
+    assert "ours (float8_e4m3fn)" in output
+    assert [line.split("  ")[0] for line in output.splitlines() if line.startswith("total")] == [
+        "total at 4,096 tokens"
+    ]
+
+
+@pytest.mark.parametrize(("name", "kv_dtype"), [("flash", "fp8"), ("flash", "bf16"), ("pro", "bf16")])
+def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
+    config, dtype = named_config(name), KV_DTYPES[kv_dtype]
+    ours = KVLedger(config, dtype).ours
+    # Row 0 of every compressed buffer and request row 0 are padding.
+    padding = sum(b.dim for b in ours.compressed_buffers()) * dtype.itemsize + ours.bytes_per_request
+    tokens = 2 * config.hca_rate  # a whole number of blocks at every ratio
+    # Two pools differing in tokens and in requests pin both figures (the system has one solution).
+    for pool_tokens, requests in [(tokens, 1), (2 * tokens, 2)]:
+        pool = V4KVPool(pool_tokens, 1, config, dtype, max_requests=requests, max_context=pool_tokens, device="cpu")
+        assert pool.allocated_bytes == ours.bytes_per_token * pool_tokens + ours.bytes_per_request * requests + padding
+
+
+def test_our_fixed_bytes_per_request_are_a_fraction_of_the_reference():
+    ledger = KVLedger(named_config("flash"), torch.bfloat16)
+    assert ledger.fixed_ratio == ledger.ours.bytes_per_request / ledger.reference.bytes_per_request
+    assert ledger.fixed_ratio < 0.5  # online compressor state instead of raw rows
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "window_only", "ratio_4", "ratio_128", "hidden", "heads", "experts", "top_k"),
+    [
+        ("flash", 43, 2, 21, 20, 4096, 64, 256, 512),
+        ("pro", 61, 0, 30, 31, 7168, 128, 384, 1024),
+    ],
+)
+def test_shipped_configs_have_the_published_layer_counts(
+    name, layers, window_only, ratio_4, ratio_128, hidden, heads, experts, top_k
+):
+    config = named_config(name)
+    kinds = [config.layer_kind(layer) for layer in range(config.num_layers)]
+    assert (config.num_layers, kinds.count("window"), kinds.count("csa"), kinds.count("hca")) == (
+        layers,
+        window_only,
+        ratio_4,
+        ratio_128,
+    )
+    assert (config.hidden_size, config.num_heads, config.n_routed_experts, config.index_topk) == (
+        hidden,
+        heads,
+        experts,
+        top_k,
+    )
+
+
+def test_config_resolves_from_a_checkpoint_directory_or_a_config_file(tmp_path):
+    from importlib import resources
+
+    raw = json.loads(resources.files("sglang_dsv4.configs").joinpath("pro.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert resolve_config(str(tmp_path)) == resolve_config(str(tmp_path / "config.json")) == named_config("pro")
+
+
+def test_unknown_config_is_refused_naming_the_shipped_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"--config '.*missing': no such file or directory.*\['flash', 'pro'\]"):
+        resolve_config(str(tmp_path / "missing"))

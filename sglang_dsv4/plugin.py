@@ -25,7 +25,11 @@ ARCHITECTURE = "DeepseekV4ForCausalLM"
 _UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
 _KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
 _CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
-REQUIRED_HOOKS = (_UPSTREAM_V4_DEFAULTS, _KV_POOL_BUILDER, _CHAT_ENCODING)
+_INTERNAL_STATE = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
+_REQUEST_VALIDATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+REQUIRED_HOOKS = (_UPSTREAM_V4_DEFAULTS, _KV_POOL_BUILDER, _CHAT_ENCODING, _INTERNAL_STATE, _REQUEST_VALIDATION)
 
 
 def register() -> None:
@@ -39,6 +43,8 @@ def register() -> None:
     HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
     HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
+    HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
+    HookRegistry.register(_REQUEST_VALIDATION, _refuse_input_embeds, HookType.BEFORE)
 
 
 def require_hooks_applied() -> None:
@@ -122,6 +128,7 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
             req_to_token_pool=req_to_token_pool,
         )
     from .config import parse_config
+    from .memory_pool.ledger import KVLedger
     from .memory_pool.pool import V4KVPool
 
     pool = V4KVPool(
@@ -136,14 +143,45 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
     # SGLang reserves each request's compressed-entry rows before a forward and returns
     # them when it frees the request, through the request pool's auxiliary cache.
     req_to_token_pool.attach_aux_cache(pool.block_tables)
-    layout = pool.layout
     logger.info(
-        "sglang-dsv4 KV pool: %d token slots, %d requests; %.1f B/token, %d B/request (%s); %.3f GiB allocated",
+        "sglang-dsv4 KV pool: %d token slots, %d request rows, %.3f GiB allocated; KV ledger:\n%s",
         sizes.max_total_num_tokens,
         req_to_token_pool.size,
-        layout.bytes_per_token,
-        layout.bytes_per_request,
-        configurator.kv_cache_dtype,
         pool.allocated_bytes / 2**30,
+        KVLedger(pool.config, configurator.kv_cache_dtype).table([req_to_token_pool.max_context_len]),
     )
     return pool
+
+
+def _report_pool_usage(result, controller, recv_req) -> None:
+    """Add the V4 pools' totals, free and evictable counts to ``/server_info``."""
+    from .memory_pool.pool import V4KVPool
+
+    scheduler = controller.scheduler
+    allocator = scheduler.token_to_kv_pool_allocator
+    pool = allocator.get_kvcache()
+    if not isinstance(pool, V4KVPool):
+        return
+    result.internal_state["dsv4_pools"] = {
+        "token_slots": {
+            "total": scheduler.max_total_num_tokens,
+            "free": allocator.available_size(),
+            "evictable": scheduler.tree_cache.evictable_size(),
+        },
+        "request_rows": {
+            "total": pool.block_tables.request_rows - 1,
+            "free": scheduler.req_to_token_pool.available_size(),
+        },
+        "entry_rows": pool.block_tables.usage(),
+        "allocated_bytes": pool.allocated_bytes,
+    }
+
+
+def _refuse_input_embeds(manager, obj, input_ids) -> None:
+    """V4's hash-routed layers pick experts by token id: input embeddings cannot be served."""
+    architectures = manager.model_config.hf_config.architectures or []
+    if ARCHITECTURE in architectures and getattr(obj, "input_embeds", None) is not None:
+        raise ValueError(
+            "DeepSeek-V4 routes its first MoE layers by token id (hash routing), so it needs token ids: "
+            "send input_ids or text instead of input_embeds"
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import requests
@@ -99,3 +100,104 @@ def test_chunks_that_split_compression_blocks_give_the_same_logprobs(server, chu
     whole = teacher_forced_logprobs(server, ids)
     chunked = teacher_forced_logprobs(chunked_server, ids)
     assert (whole - chunked).abs().max() <= 1e-4
+
+
+def pool_usage(url: str) -> dict:
+    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_pools"]
+
+
+def assert_everything_free(usage: dict) -> None:
+    assert usage["token_slots"]["free"] + usage["token_slots"]["evictable"] == usage["token_slots"]["total"]
+    assert usage["request_rows"]["free"] == usage["request_rows"]["total"]
+    for ratio, rows in usage["entry_rows"].items():
+        assert rows["free"] == rows["total"], ratio
+
+
+def test_disconnected_streaming_request_returns_every_page_it_held(server):
+    prompt = random_ids(1000, 1024, seed=53).tolist()
+    payload = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    with requests.post(f"{server}/generate", json=payload, stream=True, timeout=120) as reply:
+        chunks = (line for line in reply.iter_lines() if line)
+        for _ in range(3):
+            next(chunks)
+        held = pool_usage(server)  # cross-check: the running request's pages are counted as held
+        assert held["token_slots"]["total"] - held["token_slots"]["free"] >= len(prompt)
+        assert held["entry_rows"]["ratio_4"]["total"] - held["entry_rows"]["ratio_4"]["free"] >= len(prompt) // 4
+        assert held["entry_rows"]["ratio_128"]["total"] - held["entry_rows"]["ratio_128"]["free"] == len(prompt) // 128
+    deadline = time.monotonic() + 30
+    while pool_usage(server)["request_rows"]["free"] != held["request_rows"]["total"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert_everything_free(pool_usage(server))
+
+
+def test_prompt_over_the_limit_gets_http_400_naming_the_limit(server):
+    reply = requests.post(f"{server}/generate", json={"input_ids": [5] * 5000, "sampling_params": {}}, timeout=60)
+    assert reply.status_code == 400
+    assert "5000 tokens" in reply.text and "maximum allowed length (4090 tokens)" in reply.text
+
+
+def test_input_embeddings_are_refused_and_the_server_keeps_serving(server):
+    payload = {"input_embeds": [[0.1] * 64] * 5, "sampling_params": {"max_new_tokens": 4}}
+    reply = requests.post(f"{server}/generate", json=payload, timeout=60)
+    assert reply.status_code == 400
+    assert "hash routing" in reply.text and "input_ids" in reply.text
+    assert len(greedy(server, [1, 2, 3], 4)) == 4
+    assert_everything_free(pool_usage(server))
+
+
+def test_repeated_prompt_gets_no_prefix_hit_and_the_same_output(server):
+    prompt = random_ids(300, 1024, seed=54).tolist()
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first, second = (generate(server, prompt, sampling_params=params) for _ in range(2))
+    assert second["meta_info"]["cached_tokens"] == 0
+    assert first["output_ids"] == second["output_ids"]
+
+
+def test_sampling_with_n_returns_n_completions(server):
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 3}
+    replies = generate(server, random_ids(40, 1024, seed=55).tolist(), sampling_params=params)
+    assert len(replies) == 3 and all(len(reply["output_ids"]) == 8 for reply in replies)
+
+
+def test_openai_completions_with_stop_strings_and_logprobs(server):
+    payload = {"model": "tiny", "prompt": "def fix(path):", "max_tokens": 16, "stop": ["e"], "logprobs": 2}
+    reply = requests.post(f"{server}/v1/completions", json=payload, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert "e" not in choice["text"] and len(choice["logprobs"]["token_logprobs"]) >= 1
+
+
+def test_openai_chat_streams_with_the_tiny_chat_template(server, tiny_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."}]
+    payload = {"model": "tiny", "messages": messages, "max_tokens": 6, "stream": True}
+    with requests.post(f"{server}/v1/chat/completions", json=payload, stream=True, timeout=60) as reply:
+        events = [line for line in reply.iter_lines() if line and line != b"data: [DONE]"]
+    assert len(events) >= 2
+    final = requests.post(
+        f"{server}/v1/chat/completions", json={**payload, "stream": False, "max_tokens": 1}, timeout=60
+    ).json()
+    rendered = AutoTokenizer.from_pretrained(tiny_path).apply_chat_template(messages, add_generation_prompt=True)
+    assert final["usage"]["prompt_tokens"] == len(rendered["input_ids"])
+
+
+def test_frontend_program_with_fork_returns_text(server):
+    import sglang as sgl
+
+    @sgl.function
+    def agent(s, task):
+        s += sgl.user(task)
+        s += sgl.assistant(sgl.gen("plan", max_tokens=8, temperature=0))
+        branches = s.fork(2)
+        for i, branch in enumerate(branches):
+            branch += sgl.user(f"Option {i}?")
+            branch += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+        s["answers"] = [branch["answer"] for branch in branches]
+
+    state = agent.run(task="Fix the failing test.", backend=sgl.RuntimeEndpoint(server))
+    assert state["plan"] and all(state["answers"])

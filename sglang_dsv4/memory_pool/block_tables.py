@@ -20,6 +20,7 @@ class BlockTables:
         self.table = {
             r: torch.zeros(request_rows, max_context // r + 1, dtype=torch.int64, device=device) for r in self.ratios
         }
+        self.request_rows = request_rows
         self.blocks = {r: [0] * request_rows for r in self.ratios}
         self.rows_per_ratio = {r: num_tokens // r + 1 for r in self.ratios}
         self.free_rows: dict[int, list[int]] = {}
@@ -51,8 +52,11 @@ class BlockTables:
             self.free_rows[ratio].extend(self.table[ratio][request, :count].tolist())
             self.blocks[ratio][request] = 0
 
-    def held_rows(self, ratio: int) -> int:
-        return self.rows_per_ratio[ratio] - 1 - len(self.free_rows[ratio])
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per ratio: rows in all (row 0, padding, excluded) and rows free."""
+        return {
+            f"ratio_{r}": {"total": self.rows_per_ratio[r] - 1, "free": len(self.free_rows[r])} for r in self.ratios
+        }
 
     def clear(self) -> None:
         # Row 0 is never handed out: unused table cells point at it.

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--prompt", default="def fix_bug(request):")
     generate.add_argument("--max-new-tokens", type=int, default=32)
 
+    demo = commands.add_parser("demo", help="serve the tiny checkpoint and run a multi-turn agent program on it")
+    demo.add_argument("--task", default="Fix the failing test in tests/test_cache.py.")
+
     plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
     ledger.add_arguments(commands.add_parser("ledger", help="KV bytes per token and per request, reference vs ours"))
 
@@ -34,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
         from .tiny import build_checkpoint
 
         print(build_checkpoint(args.out_dir))
+    elif args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(args.task)
     elif args.command == "plan-experts":
         plan_experts.run(args)
     elif args.command == "ledger":

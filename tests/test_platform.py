@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from serving import running_server
 
 from sglang_dsv4 import platform
+from sglang_dsv4.launch import running_server
 from sglang_dsv4.tiny import build_tokenizer
 
 

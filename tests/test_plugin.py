@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from serving import running_server
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from sglang_dsv4 import plugin
+from sglang_dsv4.launch import running_server
 
 
 def test_missing_hook_refuses_to_start_and_names_it(monkeypatch):

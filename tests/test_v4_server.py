@@ -9,7 +9,8 @@ import pytest
 import requests
 import torch
 from conftest import random_ids
-from serving import running_server
+
+from sglang_dsv4.launch import running_server
 
 
 @pytest.fixture(scope="module")

@@ -216,7 +216,9 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     """Label column left-aligned, figure columns right-aligned, two spaces apart."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     return [
-        "  ".join([row[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))])
+        "  ".join(
+            [row[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))]
+        )
         for row in rows
     ]
 

@@ -1,4 +1,4 @@
-"""Start the real ``python -m sglang.launch_server`` for a test module, and talk to it."""
+"""Start the real ``python -m sglang.launch_server`` on this host (tests, demo, benchmarks)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict | None = None) -> Iterator[str]:
-    """A CPU server on a free loopback port; yields its base URL and stops it on exit."""
+    """A CPU server on a free loopback port; yields its base URL and stops it on exit.
+
+    Started from ``log_path``'s folder, outside any source tree, so the installed package
+    is the one imported.
+    """
     port = free_port()
     command = [
         sys.executable, "-m", "sglang.launch_server",
@@ -37,7 +41,6 @@ def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict
         *extra_args,
     ]  # fmt: skip
     with open(log_path, "w") as log:
-        # Started outside the source tree, so the installed package is the one imported.
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})}
         )

@@ -24,12 +24,20 @@ logger = logging.getLogger(__name__)
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 _UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
 _KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+_POOL_SIZING = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
 _CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
 _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
 _REQUEST_VALIDATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-REQUIRED_HOOKS = (_UPSTREAM_V4_DEFAULTS, _KV_POOL_BUILDER, _CHAT_ENCODING, _INTERNAL_STATE, _REQUEST_VALIDATION)
+REQUIRED_HOOKS = (
+    _UPSTREAM_V4_DEFAULTS,
+    _KV_POOL_BUILDER,
+    _POOL_SIZING,
+    _CHAT_ENCODING,
+    _INTERNAL_STATE,
+    _REQUEST_VALIDATION,
+)
 
 
 def register() -> None:
@@ -42,6 +50,7 @@ def register() -> None:
     _register_server_arg_overrides()
     HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
     HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
+    HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
     HookRegistry.register(_REQUEST_VALIDATION, _refuse_input_embeds, HookType.BEFORE)
@@ -116,6 +125,22 @@ def _prefer_checkpoint_chat_template(original, *, hf_config: Any, tokenizer: Any
 def _skip_upstream_v4_defaults(original, server_args: Any, model_arch: str) -> None:
     """Upstream's V4 defaults configure its own kernels (FP8 KV cache, dsv4 backends): not ours."""
     logger.info("sglang-dsv4 serves %s; upstream's DeepSeek-V4 defaults are not applied", model_arch)
+
+
+def _size_v4_pools(original, configurator):
+    """Split the memory budget with the V4 pool layout (bytes per token, bytes per request)."""
+    from sglang.srt.configs.model_config import is_deepseek_v4
+    from sglang.srt.runtime_context import get_schedule
+
+    if not is_deepseek_v4(configurator.model_config.hf_config):
+        return original(configurator)
+    from .config import parse_config
+    from .memory_pool.layout import PoolLayout
+    from .memory_pool.sizing import V4PoolConfigurator
+
+    config = parse_config(configurator.model_config.hf_config.to_dict())
+    layout = PoolLayout(config, configurator.kv_cache_dtype)
+    return V4PoolConfigurator(layout, get_schedule().max_running_requests)
 
 
 def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):

@@ -103,6 +103,11 @@ class PoolLayout:
         """Fixed bytes per running request: the window rings and the compressor states."""
         return self.window_bytes_per_request + self.state_bytes_per_request
 
+    @property
+    def padding_bytes(self) -> int:
+        """One padding row per compressed buffer (row 0, where unused table cells point)."""
+        return sum(b.dim * self.kv_bytes for b in self.compressed_buffers())
+
     def bytes_for(self, context: int) -> float:
         """Bytes one request holds at ``context`` tokens."""
         return self.bytes_per_token * context + self.bytes_per_request

@@ -1,0 +1,38 @@
+"""Pool sizing from a memory budget follows the layout's bytes per token and per request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.config import named_config
+from sglang_dsv4.memory_pool.layout import PoolLayout
+from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS, V4PoolConfigurator
+
+
+def test_budget_splits_into_request_rows_and_tokens_that_fit(tiny_model):
+    layout = PoolLayout(tiny_model.config, torch.float32)
+    budget = 64 * 2**20
+    sizing = V4PoolConfigurator(layout, max_running_requests=16)
+    tokens = sizing.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
+    config = sizing.finalize_with_max_running_requests(sizing.calculate_pool_sizes_from_max_tokens(tokens, 1))
+    assert config.max_running_requests == 16
+    pool = V4KVPool(tokens, 1, tiny_model.config, torch.float32, max_requests=16, max_context=4096, device="cpu")
+    assert pool.allocated_bytes <= budget
+    # The budget is used: one more page of tokens would not fit.
+    assert (tokens + 1) * layout.bytes_per_token + 17 * layout.bytes_per_request > budget
+
+
+def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():
+    sizing = V4PoolConfigurator(PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=None)
+    assert sizing.request_rows == DEFAULT_MAX_RUNNING_REQUESTS
+    config = sizing.calculate_pool_sizes(80 * 2**30, page_size=1)
+    config.max_running_requests = 2048  # what SGLang derives from the token count
+    assert sizing.finalize_with_max_running_requests(config).max_running_requests == DEFAULT_MAX_RUNNING_REQUESTS
+
+
+def test_budget_too_small_for_the_request_rows_names_the_fix():
+    sizing = V4PoolConfigurator(PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=256)
+    with pytest.raises(ValueError, match="lower --max-running-requests"):
+        sizing.calculate_pool_sizes(2**30, page_size=1)

@@ -202,3 +202,13 @@ def test_frontend_program_with_fork_returns_text(server):
 
     state = agent.run(task="Fix the failing test.", backend=sgl.RuntimeEndpoint(server))
     assert state["plan"] and all(state["answers"])
+
+
+def test_server_allocates_what_the_ledger_says(server, tiny_model):
+    from sglang_dsv4.memory_pool.layout import PoolLayout
+
+    usage = pool_usage(server)
+    layout = PoolLayout(tiny_model.config, torch.float32)
+    tokens, request_rows = usage["token_slots"]["total"], usage["request_rows"]["total"] + 1
+    expected = tokens * layout.bytes_per_token + layout.padding_bytes + request_rows * layout.bytes_per_request
+    assert usage["allocated_bytes"] == expected

@@ -20,8 +20,8 @@ from sglang_dsv4.moe import (
     plan_placement,
     token_histogram,
 )
-from sglang_dsv4.moe.load import random_hash_tables
-from sglang_dsv4.moe.placement import trivial_layer
+from sglang_dsv4.moe.load import random_hash_tables, traffic_windows
+from sglang_dsv4.moe.placement import LayerLoads, plan_layer, trivial_layer
 from sglang_dsv4.moe.plan_files import read_hash_tables, read_recorded_loads, write_plan
 
 FLASH = named_config("flash")
@@ -39,6 +39,10 @@ def imbalance(placement: Placement, expert_loads: torch.Tensor) -> torch.Tensor:
     """Per layer, max over mean rank load."""
     ranks = placement.rank_loads(expert_loads)
     return ranks.max(-1).values / ranks.mean(-1)
+
+
+def layers(expected: torch.Tensor) -> list[LayerLoads]:
+    return [LayerLoads(row) for row in expected]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def test_rank_counts_match_sglang_dynamic_dispatch():
 
     config = replace(FLASH, vocab_size=5000)
     tables = random_hash_tables(config, seed=1)
-    placement = plan_placement(list(expected_hash_loads(config, tables, zipf_histogram(5000, 3000))), 256, 8, 8)
+    placement = plan_placement(layers(expected_hash_loads(config, tables, zipf_histogram(5000, 3000))), 256, 8, 8)
     ids = random_ids(3000, config.vocab_size, seed=4)
     predictor = HashLoadPredictor(config, tables)
     slots = predictor.slot_counts(ids, placement)
@@ -109,7 +113,7 @@ def test_expected_loads_of_a_batch_histogram_are_its_counts():
 
 @pytest.mark.parametrize(("ep_size", "redundant"), [(8, 0), (16, 16), (64, 0), (64, 64), (32, 96)])
 def test_every_expert_is_placed_and_rank_capacity_holds(flash_hash_loads, ep_size, redundant):
-    placement = plan_placement(list(flash_hash_loads), 256, ep_size, redundant)
+    placement = plan_placement(layers(flash_hash_loads), 256, ep_size, redundant)
     replicas = placement.replica_counts()
     assert placement.physical_to_logical.shape == (3, 256 + redundant)
     assert int(replicas.min()) >= 1 and int(replicas.sum(-1).max()) == 256 + redundant
@@ -122,7 +126,7 @@ def test_plan_beats_no_planning_and_matches_sglang_deepseek_on_skewed_loads(flas
     from sglang.srt.eplb import eplb_algorithms
 
     num_slots = 256 + redundant
-    ours = plan_placement(list(flash_hash_loads), 256, ep_size, redundant)
+    ours = plan_placement(layers(flash_hash_loads), 256, ep_size, redundant)
     deepseek_map, _, _ = eplb_algorithms.rebalance_experts(
         tokens_per_expert=flash_hash_loads[None].float(),
         num_physical_experts=num_slots,
@@ -144,7 +148,7 @@ def test_plan_file_is_what_sglang_init_expert_location_reads(tmp_path, monkeypat
     from sglang.srt.eplb import expert_location
     from sglang.srt.runtime_context import get_context
 
-    placement = plan_placement([*flash_hash_loads, None, None], 256, 8, 8)
+    placement = plan_placement([*layers(flash_hash_loads), None, None], 256, 8, 8)
     path = write_plan(placement, tmp_path / f"plan{suffix}")
     # The model class's get_model_config_for_expert_location is the serving model's part; stand in for it.
     monkeypatch.setattr(
@@ -170,14 +174,44 @@ def test_plan_experts_command_plans_hash_layers_from_text_and_learned_layers_fro
     dump = tmp_path / "expert_distribution_recorder_1.pt"
     torch.save({"rank": 0, "logical_count": recorded, "average_utilization_rate_over_window": None}, dump)
     plan = tmp_path / "plan.json"
-    argv = ["plan-experts", "--model", str(tiny_path), "--ep-size", "4", "--redundant-experts", "4"]
+    argv = [
+        "plan-experts",
+        "--model",
+        str(tiny_path),
+        "--ep-size",
+        "4",
+        "--redundant-experts",
+        "4",
+        "--window-tokens",
+        "256",
+    ]
     dsv4([*argv, "--output", str(plan), "--corpus", str(corpus), "--expert-distribution", str(dump)])
 
     placement = Placement(torch.tensor(json.loads(plan.read_text())["physical_to_logical_map"]), 4, 8)
     assert placement.physical_to_logical.shape == (config.num_layers, 12)
     assert int(placement.replica_counts()[2, 5]) == 4  # the hot learned expert is on every rank
     assert torch.equal(placement.physical_to_logical[3], trivial_layer(8, 12))  # no statistics there
-    assert torch.equal(read_recorded_loads(dump, config)[2], recorded[:, 2].sum(0).double())
+    assert torch.equal(read_recorded_loads(dump, config), recorded.double())
+
+
+def test_windows_keep_experts_that_get_busy_together_on_different_ranks():
+    expected = torch.tensor([1.03, 1.02, 1.01, 1.00])  # packing alone pairs experts 0 and 3
+    windows = torch.tensor([[3.0, 1.0, 1.0, 3.0], [1.0, 3.0, 3.0, 1.0]])  # 0 and 3 are busy together
+
+    def pairs(slots: torch.Tensor) -> set[frozenset[int]]:
+        return {frozenset(rank.tolist()) for rank in slots.view(2, 2)}
+
+    assert frozenset({0, 3}) in pairs(plan_layer(LayerLoads(expected), ep_size=2, slots_per_rank=2))
+    planned = pairs(plan_layer(LayerLoads(expected, windows), ep_size=2, slots_per_rank=2))
+    assert frozenset({0, 3}) not in planned and frozenset({1, 2}) not in planned
+
+
+def test_traffic_windows_mix_spans_of_documents():
+    documents = [torch.full((1000,), doc) for doc in range(8)]
+    windows = traffic_windows(documents, window_tokens=512, span_tokens=64)
+    assert len(windows) == (8 * (1000 // 64)) // 8 and all(w.numel() == 512 for w in windows)
+    assert all(len(w.unique()) > 2 for w in windows)  # several requests per batch
+    assert sorted(torch.cat(windows).tolist()) == sorted(torch.cat([d[: 15 * 64] for d in documents]).tolist())
 
 
 def test_tid2eid_whose_shape_does_not_match_the_config_is_refused():
@@ -215,4 +249,4 @@ def test_slots_that_do_not_divide_over_ranks_are_refused(flash_hash_loads):
     with pytest.raises(
         ExpertPlanError, match="256 experts \\+ 4 redundant slots = 260 slots, not divisible by ep_size 64"
     ):
-        plan_placement(list(flash_hash_loads), 256, 64, 4)
+        plan_placement(layers(flash_hash_loads), 256, 64, 4)

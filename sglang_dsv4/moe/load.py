@@ -108,6 +108,26 @@ def expected_hash_loads(
     return torch.stack([torch.bincount(t.flatten(), weights=per_slot, minlength=num_experts) for t in stacked]).cpu()
 
 
+def traffic_windows(
+    documents: Sequence[torch.Tensor], window_tokens: int, span_tokens: int = 128, seed: int = 0
+) -> list[torch.Tensor]:
+    """Token ids of ``documents`` regrouped into windows of ``window_tokens``, like a server's batches.
+
+    A batch mixes many requests, so a window is ``window_tokens // span_tokens`` spans of
+    ``span_tokens`` consecutive tokens drawn from shuffled documents (seeded); a trailing
+    partial span or window is left out.
+    """
+    if window_tokens < span_tokens or window_tokens % span_tokens:
+        raise ExpertPlanError(f"window_tokens ({window_tokens}) must be a multiple of span_tokens ({span_tokens})")
+    spans = [span for doc in documents for span in doc.flatten().split(span_tokens) if span.numel() == span_tokens]
+    order = torch.randperm(len(spans), generator=torch.Generator().manual_seed(seed)).tolist()
+    per_window = window_tokens // span_tokens
+    return [
+        torch.cat([spans[i] for i in order[start : start + per_window]])
+        for start in range(0, len(order) - per_window + 1, per_window)
+    ]
+
+
 def token_histogram(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[vocab_size]`` int64 counts of ``token_ids`` (checked to be in range)."""
     return torch.bincount(check_token_ids(token_ids, vocab_size), minlength=vocab_size)

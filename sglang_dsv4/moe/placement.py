@@ -6,18 +6,22 @@ slot ``s`` lives on EP rank ``s // slots_per_rank``. A logical expert may sit in
 (replicas); SGLang's dispatch spreads its tokens evenly over them, so a replica carries
 ``load / replicas``.
 
-The planner minimises the largest rank load of each layer given expected expert loads:
+The planner minimises the largest rank load of each layer:
 
-1. replicas: each redundant slot goes to the expert whose per-replica load is largest
-   (water-filling; an expert gets at most one replica per rank, since two replicas on one
-   rank carry the same load as one);
+1. replicas: each redundant slot goes to the expert whose per-replica expected load is
+   largest (water-filling; an expert gets at most one replica per rank, since two replicas
+   on one rank carry the same load as one);
 2. packing: replicas, heaviest first, onto the least loaded rank with a free slot that does
    not already hold that expert (longest-processing-time under a per-rank slot capacity);
 3. refinement: swap a replica of the heaviest rank with one of another rank while that lowers
-   the pair's larger load below the heaviest rank's; stop when no swap helps.
+   the pair's larger load below the heaviest rank's;
+4. given loads of separate windows of traffic (steps), swaps that lower the mean over windows
+   of the busiest rank's share. Expected loads alone cannot tell which experts get busy
+   together (a hash layer sends a hot token's burst to the same six experts); windows can,
+   and a plan that keeps such experts apart is less uneven step by step.
 
-Steps 1-2 are what DeepSeek's EPLB (SGLang's ``deepseek`` algorithm) does; step 3 and the
-one-replica-per-rank rule are where this planner gains, most with few slots per rank.
+Steps 1-2 are what DeepSeek's EPLB (SGLang's ``deepseek`` algorithm) does; steps 3-4 and the
+one-replica-per-rank rule are where this planner gains.
 """
 
 from __future__ import annotations
@@ -94,29 +98,57 @@ def trivial_layer(num_experts: int, num_slots: int) -> torch.Tensor:
     return torch.arange(num_slots) % num_experts
 
 
+@dataclass(frozen=True)
+class LayerLoads:
+    """What the planner knows of one layer's traffic (any scale: only ratios matter)."""
+
+    expected: torch.Tensor  # [experts]: expected load of each expert
+    windows: torch.Tensor | None = None  # [windows, experts]: loads in separate windows (steps) of traffic
+
+
 def plan_placement(
-    layer_loads: Sequence[torch.Tensor | None], num_experts: int, ep_size: int, redundant_experts: int = 0
+    layers: Sequence[LayerLoads | None], num_experts: int, ep_size: int, redundant_experts: int = 0
 ) -> Placement:
-    """Plan every layer; a layer whose expected loads are ``None`` gets the trivial layout."""
+    """Plan every layer; a layer without loads (``None``) gets the trivial layout."""
     num_slots = _check_shape(num_experts, ep_size, redundant_experts)
+    for layer, loads in enumerate(layers):
+        if loads is not None and loads.expected.numel() != num_experts:
+            raise ExpertPlanError(
+                f"layer {layer}: loads of {loads.expected.numel()} experts; the model has {num_experts}"
+            )
     rows = [
         trivial_layer(num_experts, num_slots) if loads is None else plan_layer(loads, ep_size, num_slots // ep_size)
-        for loads in layer_loads
+        for loads in layers
     ]
     return Placement(torch.stack(rows), ep_size, num_experts)
 
 
-def plan_layer(expert_loads: torch.Tensor, ep_size: int, slots_per_rank: int) -> torch.Tensor:
-    """One layer's slots (``[ep_size * slots_per_rank]`` logical expert ids) for expected ``expert_loads [E]``."""
-    loads = expert_loads.double()
-    num_experts = loads.numel()
-    if loads.dim() != 1 or bool((loads < 0).any()) or not bool(torch.isfinite(loads).all()):
-        raise ExpertPlanError(f"expert loads must be a 1-D tensor of finite non-negative values, got {expert_loads}")
+def plan_layer(loads: LayerLoads, ep_size: int, slots_per_rank: int) -> torch.Tensor:
+    """One layer's slots (``[ep_size * slots_per_rank]`` logical expert ids)."""
+    expected = _check_loads(loads.expected, "expected loads", dim=1)
+    num_experts = expected.numel()
     _check_shape(num_experts, ep_size, ep_size * slots_per_rank - num_experts)
-    replicas = _replica_counts(loads, ep_size * slots_per_rank, max_replicas=ep_size)
-    slot_experts = _pack(loads / replicas, replicas, ep_size, slots_per_rank)
-    _refine(slot_experts, loads / replicas)
-    return slot_experts.flatten()
+    replicas = _replica_counts(expected, ep_size * slots_per_rank, max_replicas=ep_size)
+    slots = _pack(expected / replicas, replicas, ep_size, slots_per_rank)
+    _refine(slots, expected / replicas)
+    if loads.windows is not None and ep_size > 1:
+        windows = _check_loads(loads.windows, "window loads", dim=2)
+        if windows.shape[1] != num_experts:
+            raise ExpertPlanError(f"window loads cover {windows.shape[1]} experts; expected loads {num_experts}")
+        windows = windows[windows.sum(-1) > 0]
+        if windows.shape[0] > 1:
+            shares = windows / windows.sum(-1, keepdim=True)
+            _refine_windows(slots, (shares / replicas).float())
+    return slots.flatten()
+
+
+def _check_loads(loads: torch.Tensor, what: str, dim: int) -> torch.Tensor:
+    loads = torch.as_tensor(loads).double()
+    if loads.dim() != dim or bool((loads < 0).any()) or not bool(torch.isfinite(loads).all()):
+        raise ExpertPlanError(
+            f"{what} must be a {dim}-D tensor of finite non-negative values, got shape {tuple(loads.shape)}"
+        )
+    return loads
 
 
 def _check_shape(num_experts: int, ep_size: int, redundant_experts: int) -> int:
@@ -192,3 +224,43 @@ def _refine(slots: torch.Tensor, replica_loads: torch.Tensor) -> None:
             return
         mine, other, theirs = (int(i) for i in torch.unravel_index(torch.tensor(best), new_max.shape))
         slots[heavy, mine], slots[other, theirs] = slots[other, theirs].clone(), slots[heavy, mine].clone()
+
+
+def _refine_windows(slots: torch.Tensor, replica_shares: torch.Tensor) -> None:
+    """Swaps that lower the mean over windows of the largest rank share (in place on ``slots``).
+
+    ``replica_shares [windows, E]``: each replica's share of its window's load. Candidate swaps
+    take a replica off a rank that is the busiest in some window and trade it with one of another
+    rank; the pair's two new loads and the busiest untouched rank (from each window's top three)
+    give every candidate's objective. The best swap is made while it improves the objective.
+    """
+    ep_size = slots.shape[0]
+    ranks = torch.arange(ep_size)
+    for _ in range(8 * slots.numel()):
+        items = replica_shares[:, slots]  # [W, N, S]
+        loads = items.sum(-1)  # [W, N]
+        objective = float(loads.max(-1).values.mean())
+        heavy = loads.argmax(-1).unique()  # [H]
+        delta = items[:, heavy, :, None, None] - items[:, None, None]  # [W, H, S, N, S]: moved off the heavy rank
+        new_max = torch.maximum(loads[:, heavy, None, None, None] - delta, loads[:, None, None, :, None] + delta)
+        top_loads, top_ranks = loads.topk(min(3, ep_size), dim=-1)
+        untouched = torch.zeros(())
+        for j in reversed(range(top_loads.shape[1])):
+            rank = top_ranks[:, j, None, None, None, None]
+            spared = (rank != heavy[None, :, None, None, None]) & (rank != ranks[None, None, None, :, None])
+            untouched = torch.where(spared, top_loads[:, j, None, None, None, None], untouched)
+        candidate = torch.maximum(new_max, untouched).mean(0)  # [H, S, N, S]
+        holds = torch.zeros(ep_size, replica_shares.shape[1], dtype=torch.bool)
+        holds[ranks[:, None], slots] = True
+        blocked = (
+            holds.T[slots[heavy]][:, :, :, None]  # the moved expert is on the other rank already
+            | holds[heavy][:, slots][:, None]  # the returned expert is on the heavy rank already
+            | (heavy[:, None, None, None] == ranks[None, None, :, None])
+        )
+        candidate = torch.where(blocked, torch.inf, candidate)
+        best = int(candidate.argmin())
+        if float(candidate.flatten()[best]) >= objective * (1 - 1e-6):
+            return
+        which, mine, other, theirs = (int(i) for i in torch.unravel_index(torch.tensor(best), candidate.shape))
+        heavy_rank = int(heavy[which])
+        slots[heavy_rank, mine], slots[other, theirs] = slots[other, theirs].clone(), slots[heavy_rank, mine].clone()

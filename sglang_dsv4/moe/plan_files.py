@@ -62,23 +62,23 @@ def read_token_histogram(path: str | Path) -> torch.Tensor:
 
 
 def read_recorded_loads(path: str | Path, config: DeepseekV4Config) -> torch.Tensor:
-    """``[num_layers, num_experts]`` float64 expert loads from SGLang's expert-distribution recorder.
+    """``[steps, num_layers, num_experts]`` float64 expert loads from SGLang's expert-distribution recorder.
 
     The recorder's ``stat`` mode dumps ``{"logical_count": [steps, layers, experts], ...}`` to a
-    ``.pt`` file (``/dump_expert_distribution_record``); steps are summed. A plain
-    ``[layers, experts]`` or ``[steps, layers, experts]`` tensor is accepted too.
+    ``.pt`` file (``/dump_expert_distribution_record``). A plain ``[steps, layers, experts]``
+    tensor, or ``[layers, experts]`` (one step), is accepted too.
     """
     data = torch.load(Path(path), map_location="cpu", weights_only=True)
     counts = data.get("logical_count") if isinstance(data, dict) else data
     if not isinstance(counts, torch.Tensor):
         raise ExpertPlanError(f"{path}: no 'logical_count' tensor (SGLang's expert-distribution 'stat' dump)")
-    if counts.dim() == 3:
-        counts = counts.sum(0)
+    if counts.dim() == 2:
+        counts = counts[None]
     expected = (config.num_layers, config.n_routed_experts)
-    if tuple(counts.shape) != expected:
+    if counts.dim() != 3 or tuple(counts.shape[1:]) != expected:
         raise ExpertPlanError(
             f"{path}: recorded logical_count has shape {tuple(counts.shape)}; "
-            f"the config needs [steps,] {list(expected)} (num_hidden_layers, n_routed_experts)"
+            f"the config needs [steps, {expected[0]}, {expected[1]}] (num_hidden_layers, n_routed_experts)"
         )
     return counts.double()
 

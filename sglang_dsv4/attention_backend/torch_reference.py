@@ -48,7 +48,7 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(x)
         for span in self.spans:
             rows = slice(span.offset, span.offset + span.length)
-            state = pool.load(layer, span.request, span.start)
+            state = pool.load(layer, span.request, span.start, x.dtype)
             out[rows] = attention(x[rows], span.start, state)
             pool.store(layer, span.request, span.start, span.start + span.length, state)
         return out

@@ -55,19 +55,19 @@ class V4KVPool(KVCache):
         tensors = [*self.window, *self.compressed.values(), *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def load(self, layer: int, request: int, start: int) -> LayerState:
-        """The layer's state of ``request`` after ``start`` tokens."""
+    def load(self, layer: int, request: int, start: int, dtype: torch.dtype) -> LayerState:
+        """The layer's state of ``request`` after ``start`` tokens, its KV in the compute ``dtype``."""
         return LayerState(
-            self._window_rows(layer, request, start),
-            self._load_compressor(layer, "entries", "compressor", request, start),
-            self._load_compressor(layer, "indexer_keys", "indexer", request, start),
+            self._window_rows(layer, request, start).to(dtype),
+            self._load_compressor(layer, "entries", "compressor", request, start, dtype),
+            self._load_compressor(layer, "indexer_keys", "indexer", request, start, dtype),
         )
 
     def store(self, layer: int, request: int, start: int, end: int, state: LayerState) -> None:
         """Write back the state a forward of tokens ``start .. end - 1`` advanced to."""
         window = state.window
         positions = torch.arange(end - window.shape[0], end, device=window.device)
-        self.window[layer][request, positions % self.config.sliding_window] = window
+        self.window[layer][request, positions % self.config.sliding_window] = window.to(self.dtype)
         self._store_compressor(layer, "entries", "compressor", request, start, state.compressor)
         self._store_compressor(layer, "indexer_keys", "indexer", request, start, state.indexer)
 
@@ -77,13 +77,13 @@ class V4KVPool(KVCache):
         return self.window[layer][request, positions % self.config.sliding_window]
 
     def _load_compressor(
-        self, layer: int, kind: str, state_kind: str, request: int, start: int
+        self, layer: int, kind: str, state_kind: str, request: int, start: int, dtype: torch.dtype
     ) -> CompressorState | None:
         key = (layer, kind)
         if key not in self.compressed:
             return None
         ratio = self.ratio[key]
-        entries = self.compressed[key][self.block_tables.rows(ratio, request, 0, start // ratio)]
+        entries = self.compressed[key][self.block_tables.rows(ratio, request, 0, start // ratio)].to(dtype)
         record = self.state[(layer, state_kind)][request]
         if start == 0:  # a new request: whatever the row held belongs to an earlier one
             record = torch.zeros_like(record)
@@ -106,7 +106,7 @@ class V4KVPool(KVCache):
         first_new, total = start // ratio, state.entries.shape[0]
         if total > first_new:
             rows = self.block_tables.rows(ratio, request, first_new, total)
-            self.compressed[key][rows] = state.entries[first_new:]
+            self.compressed[key][rows] = state.entries[first_new:].to(self.dtype)
         pools = [state.current] if state.next_half is None else [state.current, state.next_half, state.previous_half]
         record = self.state[(layer, state_kind)][request]
         for i, pool in enumerate(pools):

@@ -25,6 +25,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     """Registered under the checkpoint's architecture name, ``DeepseekV4ForCausalLM``."""
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
+        from ..plugin import require_hooks_applied
+
+        require_hooks_applied()
         super().__init__()
         self.config = config
         self.v4_config = parse_config(config.to_dict())

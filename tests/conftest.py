@@ -17,6 +17,12 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where servers write their logs (never into a checkpoint directory)."""
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_path: Path):
     return load_model(tiny_path)
 

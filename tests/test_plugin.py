@@ -28,10 +28,10 @@ def test_all_hooks_apply_to_this_sglang():
         HookRegistry.reset()
 
 
-def test_disable_hands_v4_back_to_upstream(tiny_path):
+def test_disable_hands_v4_back_to_upstream(tiny_path, log_dir):
     # Upstream's own V4 path has no CPU implementation: with the plugin off, the server
     # takes upstream's decisions (its dsv4 backend and 256-token pages) and fails in its model.
-    log = tiny_path / "disabled-server.log"
+    log = log_dir / "disabled-server.log"
     with pytest.raises(RuntimeError):
         with running_server(tiny_path, log_path=log, env={"SGLANG_DSV4_PLUGIN_DISABLE": "1"}):
             pass

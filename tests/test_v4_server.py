@@ -14,16 +14,16 @@ from sglang_dsv4.launch import running_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path):
-    with running_server(tiny_path, "--dtype", "float32", log_path=tiny_path / "server.log") as url:
+def server(tiny_path, log_dir):
+    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "server.log") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def chunked_server(tiny_path):
+def chunked_server(tiny_path, log_dir):
     # 250-token chunks end inside ratio-4 and ratio-128 compression blocks.
     args = ("--dtype", "float32", "--chunked-prefill-size", "250")
-    with running_server(tiny_path, *args, log_path=tiny_path / "chunked-server.log") as url:
+    with running_server(tiny_path, *args, log_path=log_dir / "chunked-server.log") as url:
         yield url
 
 
@@ -212,3 +212,14 @@ def test_server_allocates_what_the_ledger_says(server, tiny_model):
     tokens, request_rows = usage["token_slots"]["total"], usage["request_rows"]["total"] + 1
     expected = tokens * layout.bytes_per_token + layout.padding_bytes + request_rows * layout.bytes_per_request
     assert usage["allocated_bytes"] == expected
+
+
+def test_more_work_than_the_pool_holds_queues_or_retracts_and_stays_exact(server):
+    # Six requests of 1,100 tokens each against a 4,096-token pool: SGLang must queue or
+    # retract some; every one still ends with its solo output, and every page comes back.
+    prompts = [random_ids(900, 1024, seed=90 + i).tolist() for i in range(6)]
+    alone = [greedy(server, ids, 200) for ids in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ids: greedy(server, ids, 200), prompts))
+    assert together == alone
+    assert_everything_free(pool_usage(server))

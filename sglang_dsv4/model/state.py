@@ -48,10 +48,6 @@ class RequestState:
         """A detached copy: advancing either one leaves the other as it was."""
         return RequestState(self.position, [layer.clone() for layer in self.layers])
 
-    def window_positions(self, layer: int) -> torch.Tensor:
-        window = self.layers[layer].window
-        return torch.arange(self.position - window.shape[0], self.position, device=window.device)
-
     @property
     def compressor_state_nbytes(self) -> int:
         """Bytes of the online partial-block pools, over all layers."""

@@ -194,6 +194,24 @@ def test_plan_experts_command_plans_hash_layers_from_text_and_learned_layers_fro
     assert torch.equal(read_recorded_loads(dump, config), recorded.double())
 
 
+def test_plan_experts_command_balances_hash_layers_from_a_token_histogram(tmp_path, tiny_path):
+    config = load_config(tiny_path)
+    histogram = zipf_histogram(config.vocab_size, used=config.vocab_size // 2)
+    (tmp_path / "histogram.json").write_text(json.dumps(histogram.tolist()))
+    plan = tmp_path / "plan.pt"
+    dsv4(
+        ["plan-experts", "--model", str(tiny_path), "--ep-size", "4", "--output", str(plan)]
+        + ["--token-histogram", str(tmp_path / "histogram.json")]
+    )
+
+    planned = torch.load(plan)["physical_to_logical_map"]
+    hashed = config.num_hash_layers
+    loads = expected_hash_loads(config, read_hash_tables(tiny_path, config), histogram)
+    unplanned = Placement(trivial_layer(8, 8).repeat(hashed, 1), 4, 8)
+    assert bool((imbalance(Placement(planned[:hashed], 4, 8), loads) < imbalance(unplanned, loads)).all())
+    assert torch.equal(planned[hashed:], trivial_layer(8, 8).repeat(config.num_layers - hashed, 1))
+
+
 def test_windows_keep_experts_that_get_busy_together_on_different_ranks():
     expected = torch.tensor([1.03, 1.02, 1.01, 1.00])  # packing alone pairs experts 0 and 3
     windows = torch.tensor([[3.0, 1.0, 1.0, 3.0], [1.0, 3.0, 3.0, 1.0]])  # 0 and 3 are busy together

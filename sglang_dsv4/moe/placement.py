@@ -203,7 +203,7 @@ def _refine(slots: torch.Tensor, replica_loads: torch.Tensor) -> None:
     ep_size = slots.shape[0]
     if ep_size == 1:
         return
-    min_gain = _MIN_GAIN * float(replica_loads.sum()) / ep_size
+    min_gain = _MIN_GAIN * float(replica_loads[slots].sum()) / ep_size
     for _ in range(8 * slots.numel()):
         weights = replica_loads[slots]  # [N, S]
         loads = weights.sum(-1)

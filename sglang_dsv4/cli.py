@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+from .config import ConfigError
 from .memory_pool import ledger
 from .moe import plan_command as plan_experts
+from .moe.placement import ExpertPlanError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +44,10 @@ def main(argv: list[str] | None = None) -> None:
 
         run_demo(args.task)
     elif args.command == "plan-experts":
-        plan_experts.run(args)
+        try:
+            plan_experts.run(args)
+        except (ExpertPlanError, ConfigError) as error:
+            parser.exit(2, f"dsv4 plan-experts: {error}\n")
     elif args.command == "ledger":
         ledger.run(args)
     else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation, get_global_expert_location_metadata
+from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo, topk_ids_logical_to_physical
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
@@ -56,9 +58,34 @@ class DeepseekV4ForCausalLM(nn.Module):
             attended = attention_backend.attend(block.attn, layer, block.attn_norm(x), forward_batch)
             streams = HyperConnection.post(attended, streams, post, comb)
             x, post, comb = block.hc_ffn.pre(streams)
-            streams = HyperConnection.post(block.ffn(block.ffn_norm(x), input_ids), streams, post, comb)
+            streams = HyperConnection.post(
+                self._moe(layer, block.ffn, block.ffn_norm(x), input_ids), streams, post, comb
+            )
         hidden = network.norm(network.hc_head(streams))
         return self.logits_processor(input_ids, hidden, network.head, forward_batch)
+
+    @staticmethod
+    def _moe(layer: int, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The MoE, routed through SGLang's expert placement when one is in force.
+
+        Logical experts are mapped to physical slots as SGLang's dispatcher chooses
+        (``--init-expert-location``, ``--ep-dispatch-algorithm``); on one device every slot
+        holds its logical expert's weights, so the slot is read back as that expert.
+        """
+        weights, experts = moe.gate(x, input_ids)
+        dispatch = ExpertLocationDispatchInfo.init_new(layer_id=layer)
+        if dispatch is not None:
+            physical = topk_ids_logical_to_physical(experts, dispatch)
+            placement = get_global_expert_location_metadata()
+            experts = placement.physical_to_logical_map[layer].to(experts.device)[physical].long()
+        return moe.experts(x, weights, experts) + moe.shared_experts(x)
+
+    @classmethod
+    def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:
+        """What SGLang's expert-location loader (``--init-expert-location``) plans over."""
+        return ModelConfigForExpertLocation(
+            num_layers=config.num_hidden_layers, num_logical_experts=config.n_routed_experts, num_groups=None
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self.network, weights, dtype=self.network.dtype)

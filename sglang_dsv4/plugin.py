@@ -53,7 +53,7 @@ def register() -> None:
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
-    HookRegistry.register(_REQUEST_VALIDATION, _refuse_input_embeds, HookType.BEFORE)
+    HookRegistry.register(_REQUEST_VALIDATION, _validate_request, HookType.BEFORE)
 
 
 def require_hooks_applied() -> None:
@@ -202,8 +202,18 @@ def _report_pool_usage(result, controller, recv_req) -> None:
     }
 
 
-def _refuse_input_embeds(manager, obj, input_ids) -> None:
-    """V4's hash-routed layers pick experts by token id: input embeddings cannot be served."""
+def _validate_request(manager, obj, input_ids) -> None:
+    """Refuse, with an HTTP 400, what would otherwise fail inside the scheduler.
+
+    Token ids outside the vocabulary (any model: the embedding lookup would raise in the
+    scheduler process and take the server down); input embeddings for V4, whose
+    hash-routed layers pick experts by token id.
+    """
+    vocab = manager.model_config.vocab_size
+    if input_ids and (min(input_ids) < 0 or max(input_ids) >= vocab):
+        raise ValueError(
+            f"input_ids must be in [0, {vocab}) (the vocabulary size); got min {min(input_ids)}, max {max(input_ids)}"
+        )
     architectures = manager.model_config.hf_config.architectures or []
     if ARCHITECTURE in architectures and getattr(obj, "input_embeds", None) is not None:
         raise ValueError(

@@ -223,3 +223,11 @@ def test_more_work_than_the_pool_holds_queues_or_retracts_and_stays_exact(server
         together = list(pool.map(lambda ids: greedy(server, ids, 200), prompts))
     assert together == alone
     assert_everything_free(pool_usage(server))
+
+
+def test_token_ids_outside_the_vocabulary_get_http_400_and_the_server_keeps_serving(server):
+    for bad in ([5, 1024], [-1, 5]):
+        reply = requests.post(f"{server}/generate", json={"input_ids": bad, "sampling_params": {}}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert "input_ids must be in [0, 1024)" in reply.text
+    assert len(greedy(server, [1, 2, 3], 4)) == 4

@@ -65,9 +65,10 @@ class V4KVPool(KVCache):
 
     def store(self, layer: int, request: int, start: int, end: int, state: LayerState) -> None:
         """Write back the state a forward of tokens ``start .. end - 1`` advanced to."""
-        window = state.window
-        positions = torch.arange(end - window.shape[0], end, device=window.device)
-        self.window[layer][request, positions % self.config.sliding_window] = window.to(self.dtype)
+        # Only the new tokens' rows changed: the ring already holds the older ones.
+        new_rows = state.window[-min(end - start, state.window.shape[0]) :]
+        positions = torch.arange(end - new_rows.shape[0], end, device=new_rows.device)
+        self.window[layer][request, positions % self.config.sliding_window] = new_rows.to(self.dtype)
         self._store_compressor(layer, "entries", "compressor", request, start, state.compressor)
         self._store_compressor(layer, "indexer_keys", "indexer", request, start, state.indexer)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .agentperf import command as agentperf
 from .config import ConfigError
 from .memory_pool import ledger
 from .moe import plan_command as plan_experts
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
     plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
     ledger.add_arguments(commands.add_parser("ledger", help="KV bytes per token and per request, reference vs ours"))
+    agentperf.add_arguments(commands.add_parser("agentperf", help="concurrent agents per GPU under TTFT/speed SLOs"))
 
     args = parser.parse_args(argv)
     if args.command == "tiny":
@@ -50,6 +52,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"dsv4 plan-experts: {error}\n")
     elif args.command == "ledger":
         ledger.run(args)
+    elif args.command == "agentperf":
+        try:
+            agentperf.run(args)
+        except agentperf.REPORTED_ERRORS as error:
+            parser.exit(2, f"dsv4 agentperf: {error}\n")
     else:
         _generate(args.model, args.prompt, args.max_new_tokens)
 

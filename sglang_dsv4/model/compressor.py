@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import compressor_advance
 from .norms import RMSNorm
 from .rope import Rotary, apply_rope
 
@@ -142,8 +143,13 @@ class Compressor(nn.Module):
         """Feed tokens ``start .. start + len(x) - 1`` (``x`` is ``[L, hidden]``).
 
         Appends the entries of the blocks this completes to ``state.entries`` and
-        returns how many were appended.
+        returns how many were appended. On CUDA a Triton kernel pools the blocks
+        (:func:`sglang_dsv4.kernels.compressor_advance`), elsewhere :meth:`advance_reference`.
         """
+        return compressor_advance(self, x, start, state)
+
+    def advance_reference(self, x: torch.Tensor, start: int, state: CompressorState) -> int:
+        """:meth:`advance` in torch."""
         ratio, length = self.ratio, x.shape[0]
         offset = start % ratio
         num_blocks = -(-(offset + length) // ratio)

@@ -8,20 +8,23 @@ the state. Parameter names are the release checkpoint's (``embed``, ``layers.N.a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..kernels import mhc_post, mhc_post_pre, mhc_pre
 from ..moe import MoE
 from .attention import Attention
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
 from .rope import Rotary
-from .state import LayerState, RequestState
+from .state import RequestState
 
 
 class Block(nn.Module):
-    """One layer: mHC around attention, then mHC around the MoE feed-forward."""
+    """One layer: mHC around attention, then mHC around the MoE feed-forward (run by :func:`run_blocks`)."""
 
     def __init__(self, config: DeepseekV4Config, layer: int, plain_rotary: Rotary, compress_rotary: Rotary):
         super().__init__()
@@ -32,11 +35,27 @@ class Block(nn.Module):
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, state: LayerState) -> torch.Tensor:
-        x, post, comb = self.hc_attn.pre(streams)
-        streams = HyperConnection.post(self.attn(self.attn_norm(x), start, state), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        return HyperConnection.post(self.ffn(self.ffn_norm(x), token_ids), streams, post, comb)
+
+Sublayer = Callable[[int, Block, torch.Tensor], torch.Tensor]
+
+
+def run_blocks(
+    layers: Sequence[Block], streams: torch.Tensor, attend: Sublayer, feed_forward: Sublayer
+) -> torch.Tensor:
+    """The streams after every block; ``attend`` / ``feed_forward`` map ``(layer, block, normed input)`` to output.
+
+    Each sublayer's mHC post is fused with the next sublayer's pre and input norm
+    (:func:`sglang_dsv4.kernels.mhc_post_pre`), across block boundaries too.
+    """
+    x, post, comb = mhc_pre(layers[0].hc_attn, layers[0].attn_norm, streams)
+    for layer, block in enumerate(layers):
+        attended = attend(layer, block, x)
+        streams, x, post, comb = mhc_post_pre(attended, streams, post, comb, block.hc_ffn, block.ffn_norm)
+        output = feed_forward(layer, block, x)
+        if layer + 1 < len(layers):
+            following = layers[layer + 1]
+            streams, x, post, comb = mhc_post_pre(output, streams, post, comb, following.hc_attn, following.attn_norm)
+    return mhc_post(output, streams, post, comb)
 
 
 class DeepseekV4(nn.Module):
@@ -84,7 +103,11 @@ class DeepseekV4(nn.Module):
         input_ids = input_ids.to(self.device)
         start = state.position
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for block, layer_state in zip(self.layers, state.layers, strict=True):
-            streams = block(streams, input_ids, start, layer_state)
+        streams = run_blocks(
+            self.layers,
+            streams,
+            attend=lambda layer, block, x: block.attn(x, start, state.layers[layer]),
+            feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
+        )
         state.position = start + input_ids.shape[0]
         return self.head(self.norm(self.hc_head(streams))).float()

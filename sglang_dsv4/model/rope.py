@@ -44,6 +44,13 @@ class Rotary:
     def __init__(self, rope_dim: int, theta: float, yarn: YarnScaling | None):
         self.rope_dim = rope_dim
         self.inv_freq = rope_frequencies(rope_dim, theta, yarn)
+        self._inv_freq_copies: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once (a copy per call would wait on the device)."""
+        if device not in self._inv_freq_copies:
+            self._inv_freq_copies[device] = self.inv_freq.to(device)
+        return self._inv_freq_copies[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[len(positions), rope_dim // 2]`` in float32."""

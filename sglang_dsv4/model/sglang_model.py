@@ -19,8 +19,7 @@ from torch import nn
 
 from ..config import parse_config
 from .loader import load_weights
-from .mhc import HyperConnection
-from .network import DeepseekV4
+from .network import DeepseekV4, run_blocks
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -53,14 +52,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         network = self.network
         attention_backend = get_attn_backend()
         streams = network.embed(input_ids).unsqueeze(1).expand(-1, self.v4_config.hc_mult, -1).contiguous()
-        for layer, block in enumerate(network.layers):
-            x, post, comb = block.hc_attn.pre(streams)
-            attended = attention_backend.attend(block.attn, layer, block.attn_norm(x), forward_batch)
-            streams = HyperConnection.post(attended, streams, post, comb)
-            x, post, comb = block.hc_ffn.pre(streams)
-            streams = HyperConnection.post(
-                self._moe(layer, block.ffn, block.ffn_norm(x), input_ids), streams, post, comb
-            )
+        streams = run_blocks(
+            network.layers,
+            streams,
+            attend=lambda layer, block, x: attention_backend.attend(block.attn, layer, x, forward_batch),
+            feed_forward=lambda layer, block, x: self._moe(layer, block.ffn, x, input_ids),
+        )
         hidden = network.norm(network.hc_head(streams))
         return self.logits_processor(input_ids, hidden, network.head, forward_batch)
 

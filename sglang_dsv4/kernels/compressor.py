@@ -1,0 +1,382 @@
+"""The KV compressor on the GPU: online softmax pools, entries with RMSNorm and rope fused.
+
+The math is :mod:`sglang_dsv4.model.compressor`'s: per channel, a block's entry is the
+softmax-weighted sum of its tokens' values (gate logit plus ``ape[position % ratio]``),
+ratio-4 entries pool the previous block's ``Ca`` half with their own block's ``Cb`` half,
+and a partial block lives on as an online pool (running max, denominator, weighted sum).
+
+One kernel, :func:`_compress_blocks`, does both phases. Its grid is (request, block of the
+request's new tokens): every block the chunk touches is pooled in parallel, the ones it
+completes emit their entry (RMSNorm over the entry, rope at the block's first position),
+and the program of the last block writes the request's online state. Decode is the case
+of one token per request (one block), with the state updated in place; prefill and
+extend split the chunk's blocks over programs.
+
+State rows are ``[pools, 3, dim]`` float32, the V4 pool's layout (:mod:`sglang_dsv4.memory_pool.layout`):
+pool 0 is the partial block (its ``Cb`` half when overlapping), pool 1 its ``Ca`` half and
+pool 2 the last complete block's ``Ca`` half; fields are max, denominator, weighted sum.
+A pool the position says must be empty (the partial block at a block start, the previous
+half before the first block) is never read, so a request's row needs no reset.
+
+Channels are held as ``[dim / 2, 2]`` tiles (pair, even/odd) so that rope, which rotates
+interleaved pairs, needs no gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_POOLED_TOKENS = 16  # tokens pooled per step of a program
+
+
+@dataclass(frozen=True)
+class CompressorWeights:
+    """What the kernel needs of a compressor besides its projections."""
+
+    ape: torch.Tensor  # [ratio, series * dim]
+    norm_weight: torch.Tensor  # [dim]
+    norm_eps: float
+    inv_freq: torch.Tensor  # [rope_dim / 2] float32, on the device
+    ratio: int
+    overlapping: bool
+
+    @property
+    def dim(self) -> int:
+        return self.norm_weight.shape[0]
+
+
+@triton.jit
+def _merge(a, b):
+    """Two online pools ``(max, denom, weighted)`` as one; an empty pool (max -inf) adds nothing."""
+    max_a, denom_a, weighted_a = a
+    max_b, denom_b, weighted_b = b
+    peak = tl.maximum(max_a, max_b)
+    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+    scale_a = tl.where(max_a == float("-inf"), 0.0, tl.exp(max_a - safe_peak))
+    scale_b = tl.where(max_b == float("-inf"), 0.0, tl.exp(max_b - safe_peak))
+    return peak, denom_a * scale_a + denom_b * scale_b, weighted_a * scale_a + weighted_b * scale_b
+
+
+@triton.jit
+def _pairs(HALF: tl.constexpr):
+    """Channel indices ``[HALF, 2]``: pair, then even/odd."""
+    return tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]
+
+
+@triton.jit
+def _pool_tokens(
+    kv_ptr, gate_ptr, ape_ptr, row_at_zero, block_start, first, end, width, HALF: tl.constexpr, BLOCK_TOK: tl.constexpr
+):
+    """Online pool of positions ``first .. end - 1``, all in the block at ``block_start``.
+
+    Position ``p`` is projection row ``row_at_zero + p``; the pointers are at the series' first channel.
+    """
+    channel = _pairs(HALF)[None, :, :]
+    peak = tl.full([HALF, 2], float("-inf"), tl.float32)
+    denom = tl.zeros([HALF, 2], tl.float32)
+    weighted = tl.zeros([HALF, 2], tl.float32)
+    for step_start in range(first, end, BLOCK_TOK):
+        position = step_start + tl.arange(0, BLOCK_TOK)
+        ok = (position < end)[:, None, None]
+        at = (row_at_zero + position).to(tl.int64)[:, None, None] * width + channel
+        ape_at = (position - block_start)[:, None, None] * width + channel
+        logits = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        logits += tl.load(ape_ptr + ape_at, mask=ok, other=0.0).to(tl.float32)
+        logits = tl.where(ok, logits, float("-inf"))
+        values = tl.load(kv_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        new_peak = tl.maximum(peak, tl.max(logits, axis=0))  # finite: every step holds a token
+        rescale = tl.exp(peak - new_peak)
+        weights = tl.exp(logits - new_peak[None, :, :])
+        denom = denom * rescale + tl.sum(weights, axis=0)
+        weighted = weighted * rescale + tl.sum(weights * values, axis=0)
+        peak = new_peak
+    return peak, denom, weighted
+
+
+@triton.jit
+def _load_pool(state_ptr, row, pool, present, DIM: tl.constexpr, POOLS: tl.constexpr):
+    """Pool ``pool`` of state row ``row``, or an empty pool where ``present`` is false."""
+    at = state_ptr + (row.to(tl.int64) * POOLS + pool) * 3 * DIM + _pairs(DIM // 2)
+    return (
+        tl.load(at, mask=present, other=float("-inf")),
+        tl.load(at + DIM, mask=present, other=0.0),
+        tl.load(at + 2 * DIM, mask=present, other=0.0),
+    )
+
+
+@triton.jit
+def _store_pool(state_ptr, row, pool, value, DIM: tl.constexpr, POOLS: tl.constexpr):
+    peak, denom, weighted = value
+    at = state_ptr + (row.to(tl.int64) * POOLS + pool) * 3 * DIM + _pairs(DIM // 2)
+    tl.store(at, peak)
+    tl.store(at + DIM, denom)
+    tl.store(at + 2 * DIM, weighted)
+
+
+@triton.jit
+def _compress_blocks(
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    starts_ptr,
+    chunk_rows_ptr,
+    entry_slots_ptr,
+    state_in_ptr,
+    in_rows_ptr,
+    state_out_ptr,
+    out_rows_ptr,
+    norm_weight_ptr,
+    inv_freq_ptr,
+    entries_ptr,
+    eps,
+    DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAPPING: tl.constexpr,
+    BLOCK_TOK: tl.constexpr,
+    FILL_ABSENT: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+):
+    """Program (request, block of its chunk): pool the block's new tokens, emit its entry if
+    the chunk completes it, and, for the request's last block, write the online state.
+
+    ``later`` pools the block's own series (Cb when overlapping), ``earlier`` its Ca half and
+    ``previous`` the Ca half of the block before, which this block's entry pools too.
+    """
+    request, block = tl.program_id(0), tl.program_id(1)
+    HALF: tl.constexpr = DIM // 2
+    POOLS: tl.constexpr = 3 if OVERLAPPING else 1
+    width = (2 if OVERLAPPING else 1) * DIM
+    start = tl.load(starts_ptr + request)
+    first_row = tl.load(chunk_rows_ptr + request)
+    end = start + tl.load(chunk_rows_ptr + request + 1) - first_row
+    row_at_zero = first_row - start
+    first_block = start // RATIO
+    offset = start - first_block * RATIO
+    blocks = (end - first_block * RATIO + RATIO - 1) // RATIO
+    complete = (end - first_block * RATIO) // RATIO
+    if block < blocks:
+        block_start = (first_block + block) * RATIO
+        first = tl.maximum(start, block_start)
+        block_end = tl.minimum(end, block_start + RATIO)
+        in_row = tl.load(in_rows_ptr + request)
+        continues_partial = (block == 0) & (offset > 0)  # the state's partial block is this one
+        later_ptr, later_gate_ptr = kv_ptr + width - DIM, gate_ptr + width - DIM
+        later = _pool_tokens(
+            later_ptr,
+            later_gate_ptr,
+            ape_ptr + width - DIM,
+            row_at_zero,
+            block_start,
+            first,
+            block_end,
+            width,
+            HALF,
+            BLOCK_TOK,
+        )
+        later = _merge(later, _load_pool(state_in_ptr, in_row, 0, continues_partial, DIM, POOLS))
+        entry_pool = later
+        if OVERLAPPING:
+            earlier = _pool_tokens(
+                kv_ptr, gate_ptr, ape_ptr, row_at_zero, block_start, first, block_end, width, HALF, BLOCK_TOK
+            )
+            earlier = _merge(earlier, _load_pool(state_in_ptr, in_row, 1, continues_partial, DIM, POOLS))
+            # The block before: in the state (block 0), else in the chunk (plus the state's Ca
+            # half when that block is the state's partial one).
+            previous_start = block_start - RATIO
+            previous = _pool_tokens(
+                kv_ptr,
+                gate_ptr,
+                ape_ptr,
+                row_at_zero,
+                previous_start,
+                tl.maximum(start, previous_start),
+                tl.where(block > 0, block_start, 0),
+                width,
+                HALF,
+                BLOCK_TOK,
+            )
+            previous = _merge(
+                previous, _load_pool(state_in_ptr, in_row, 2, (block == 0) & (first_block > 0), DIM, POOLS)
+            )
+            previous = _merge(previous, _load_pool(state_in_ptr, in_row, 1, (block == 1) & (offset > 0), DIM, POOLS))
+            entry_pool = _merge(previous, later)
+        slot = (tl.load(entry_slots_ptr + request) + block).to(tl.int64)
+        if block < complete:
+            entry = _norm_and_rope(entry_pool, norm_weight_ptr, inv_freq_ptr, block_start, eps, DIM, ROPE_DIM)
+            tl.store(entries_ptr + slot * DIM + _pairs(HALF), entry.to(entries_ptr.dtype.element_ty))
+        elif FILL_ABSENT:
+            tl.store(entries_ptr + slot * DIM + _pairs(HALF), tl.zeros([HALF, 2], entries_ptr.dtype.element_ty))
+        if block == blocks - 1:
+            if IN_PLACE:
+                tl.debug_barrier()  # every thread has read the state before any overwrites it
+            out_row = tl.load(out_rows_ptr + request)
+            empty = _empty_pool(HALF)
+            block_done = block < complete
+            _store_pool(state_out_ptr, out_row, 0, _select(block_done, empty, later), DIM, POOLS)
+            if OVERLAPPING:
+                _store_pool(state_out_ptr, out_row, 1, _select(block_done, empty, earlier), DIM, POOLS)
+                _store_pool(state_out_ptr, out_row, 2, _select(block_done, earlier, previous), DIM, POOLS)
+
+
+@triton.jit
+def _empty_pool(HALF: tl.constexpr):
+    zeros = tl.zeros([HALF, 2], tl.float32)
+    return zeros + float("-inf"), zeros, zeros
+
+
+@triton.jit
+def _select(condition, a, b):
+    """Pool ``a`` where ``condition`` holds, else pool ``b``."""
+    max_a, denom_a, weighted_a = a
+    max_b, denom_b, weighted_b = b
+    return (
+        tl.where(condition, max_a, max_b),
+        tl.where(condition, denom_a, denom_b),
+        tl.where(condition, weighted_a, weighted_b),
+    )
+
+
+@triton.jit
+def _norm_and_rope(pool, norm_weight_ptr, inv_freq_ptr, position, eps, DIM: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """The pool's value, RMS-normalised with the norm's weight, rope at ``position`` on the
+    trailing ``ROPE_DIM`` channels (interleaved pairs); float32 ``[DIM / 2, 2]``."""
+    HALF: tl.constexpr = DIM // 2
+    _, denom, weighted = pool
+    value = weighted / denom
+    value = value * tl.rsqrt(tl.sum(tl.sum(value * value, axis=1), axis=0) / DIM + eps)
+    pair = tl.arange(0, HALF)
+    parity = tl.arange(0, 2)[None, :]
+    value = value * tl.load(norm_weight_ptr + pair[:, None] * 2 + parity).to(tl.float32)
+    rope_pair = pair - (HALF - ROPE_DIM // 2)
+    roped = rope_pair >= 0
+    angle = position.to(tl.float32) * tl.load(inv_freq_ptr + rope_pair, mask=roped, other=0.0)
+    cos = tl.where(roped, tl.cos(angle), 1.0)[:, None]
+    sin = tl.where(roped, tl.sin(angle), 0.0)[:, None]
+    even = tl.sum(tl.where(parity == 0, value, 0.0), axis=1)[:, None]
+    odd = tl.sum(tl.where(parity == 1, value, 0.0), axis=1)[:, None]
+    return tl.where(parity == 0, even * cos - odd * sin, odd * cos + even * sin)
+
+
+def compress_decode(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    state: torch.Tensor,
+    state_rows: torch.Tensor,
+    weights: CompressorWeights,
+) -> torch.Tensor:
+    """One new token per request: advance each request's online state in place.
+
+    ``kv``, ``gate`` ``[requests, series * dim]`` (the projections, ``gate`` without ``ape``);
+    ``positions`` the tokens' positions; ``state`` ``[rows, pools, 3, dim]`` float32 and
+    ``state_rows`` each request's row in it. Returns ``[requests, dim]``: the entry of a
+    request whose token ends a block, zeros for the others. No host synchronisation.
+    """
+    requests = kv.shape[0]
+    entries = kv.new_empty((requests, weights.dim))
+    if requests == 0:
+        return entries
+    one_each = torch.arange(requests + 1, device=kv.device, dtype=torch.int32)
+    _launch(kv, gate, positions, one_each, one_each, state, state_rows, state, state_rows, weights, entries, 1, True)
+    return entries
+
+
+def compress_extend(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    state: torch.Tensor,
+    state_rows: torch.Tensor,
+    weights: CompressorWeights,
+) -> torch.Tensor:
+    """Chunks of new tokens, request after request (``kv``, ``gate`` ``[sum(lengths), series * dim]``).
+
+    Request ``i`` feeds positions ``starts[i] .. starts[i] + lengths[i] - 1``. Every block
+    a chunk touches is pooled in parallel; returns the entries of the blocks the chunks
+    complete, request after request, and leaves each partial block in the state.
+    """
+    if any(length < 1 for length in lengths):
+        raise ValueError(f"every request needs at least one new token, got lengths {lengths}")
+    ratio = weights.ratio
+    completes = [(start + length) // ratio - start // ratio for start, length in zip(starts, lengths, strict=True)]
+    blocks = [-(-(start % ratio + length) // ratio) for start, length in zip(starts, lengths, strict=True)]
+    entries = kv.new_empty((sum(completes), weights.dim))
+    if not lengths:
+        return entries
+    device = kv.device
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    chunk_rows = ints([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    entry_slots = ints([0, *torch.tensor(completes).cumsum(0).tolist()][:-1])
+    snapshot = state[state_rows]  # blocks of one request read the state while its last block rewrites it
+    _launch(
+        kv,
+        gate,
+        ints(starts),
+        chunk_rows,
+        entry_slots,
+        snapshot,
+        torch.arange(len(lengths), device=device, dtype=torch.int32),
+        state,
+        state_rows,
+        weights,
+        entries,
+        max(blocks),
+        False,
+    )
+    return entries
+
+
+def _launch(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    starts: torch.Tensor,
+    chunk_rows: torch.Tensor,
+    entry_slots: torch.Tensor,
+    state_in: torch.Tensor,
+    in_rows: torch.Tensor,
+    state_out: torch.Tensor,
+    out_rows: torch.Tensor,
+    weights: CompressorWeights,
+    entries: torch.Tensor,
+    max_blocks: int,
+    decode: bool,
+) -> None:
+    dim, series = weights.dim, 2 if weights.overlapping else 1
+    if kv.shape[-1] != series * dim or gate.shape != kv.shape:
+        raise ValueError(f"compressor projections are {tuple(kv.shape)}, {tuple(gate.shape)}; need [*, {series * dim}]")
+    if state_out.dtype != torch.float32 or tuple(state_out.shape[1:]) != (3 if weights.overlapping else 1, 3, dim):
+        raise ValueError(
+            f"compressor state is {state_out.dtype} {tuple(state_out.shape)}; need float32 [rows, pools, 3, {dim}]"
+        )
+    _compress_blocks[(starts.shape[0], max_blocks)](
+        kv.contiguous(),
+        gate.contiguous(),
+        weights.ape.contiguous(),
+        starts,
+        chunk_rows,
+        entry_slots,
+        state_in,
+        in_rows,
+        state_out,
+        out_rows,
+        weights.norm_weight.contiguous(),
+        weights.inv_freq,
+        entries,
+        weights.norm_eps,
+        DIM=dim,
+        ROPE_DIM=2 * weights.inv_freq.shape[0],
+        RATIO=weights.ratio,
+        OVERLAPPING=weights.overlapping,
+        BLOCK_TOK=1 if decode else min(weights.ratio, MAX_POOLED_TOKENS),
+        FILL_ABSENT=decode,
+        IN_PLACE=decode,
+    )

@@ -1,6 +1,6 @@
 """Per-agent service objectives, the named tiers, and the arithmetic that judges a trial.
 
-An agent meets an ``Slo`` in a trial when, over the turns it sent inside the measurement window, none
+An agent meets an ``Slo`` in a trial when, over its turns measured in the trial (see ``replay``), none
 failed, the ``ttft_quantile`` of its times to first token is at most ``max_ttft_s`` and its output speed
 is at least ``min_output_speed``. Output speed is tokens after the first over the time from first to last
 token, summed over the agent's turns (a token-weighted mean: long replies weigh more, as they do for the
@@ -66,7 +66,7 @@ class AgentMetrics:
         """Why this agent misses ``slo`` (empty when it meets it)."""
         reasons = []
         if self.turns == 0:
-            reasons.append("no turn sent in the measurement window")
+            reasons.append("no turn measured")
         if self.errors:
             reasons.append(f"{self.errors} failed turns")
         if self.ttft_quantile_s is not None and self.ttft_quantile_s > slo.max_ttft_s:

@@ -1,0 +1,65 @@
+"""``agentperf`` against the real tiny V4 server: every turn completes, and what it reports is what it timed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from sglang_dsv4.agentperf.benchmark import Configuration, Settings, measure
+from sglang_dsv4.agentperf.slo import Slo, nearest_rank
+from sglang_dsv4.agentperf.synthetic import synthesize
+from sglang_dsv4.agentperf.trajectory import ToolLatency, TraceScale
+from sglang_dsv4.launch import running_server
+
+# Short turns (at most 16 tokens out, histories under 512 tokens) keep the run within seconds on a busy CPU.
+SHORT_TURNS = TraceScale(input_fraction=1 / 64, output_fraction=1 / 8, max_output_tokens=16, max_context_tokens=512)
+# Loose enough that a shared, loaded 2-core host still meets it with one agent.
+LOOSE = Slo("loose", min_output_speed=1.0, max_ttft_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, log_dir):
+    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "agentperf-server.log") as url:
+        yield url
+
+
+def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
+    trajectories = synthesize(8, SHORT_TURNS, ToolLatency(median_s=0.2), seed=0)
+    settings = Settings(
+        slo=LOOSE,
+        warmup_s=2.0,
+        measure_s=8.0,
+        request_timeout_s=30.0,
+        trials=1,
+        max_concurrency=2,
+        gpus=1,
+        max_seconds=60.0,
+        max_requests=1000,
+        served_history=False,
+        seed=0,
+    )
+    started = time.monotonic()
+    result = asyncio.run(measure([Configuration("tiny", server)], trajectories, settings, "synthetic, short turns"))
+    elapsed = time.monotonic() - started
+    (outcome,) = result.configurations
+    assert outcome.cpg >= 1, [agent for trial in outcome.trials for agent in trial.agents]
+    for trial in outcome.trials:
+        assert trial.records and {record.agent for record in trial.records} == set(range(trial.concurrency))
+        for record in trial.records:
+            assert record.error is None, record
+            assert record.output_tokens == record.requested_tokens
+            assert record.prompt_tokens and record.prompt_tokens > 0
+            assert 0 <= record.sent_at < record.first_token_at <= record.last_token_at <= elapsed
+        for agent in trial.agents:
+            measured = [r for r in trial.records if r.agent == agent.agent and r.measured]
+            assert measured and agent.turns == len(measured)
+            assert agent.ttft_quantile_s == nearest_rank([r.first_token_at - r.sent_at for r in measured], 0.9)
+            decoded = [r for r in measured if r.output_tokens >= 2]
+            tokens_after_first = sum(r.output_tokens - 1 for r in decoded)
+            assert agent.output_speed == pytest.approx(
+                tokens_after_first / sum(r.last_token_at - r.first_token_at for r in decoded)
+            )
+    # The trials' clocks agree with the wall clock: they ran one after another inside the run.
+    assert sum(max(r.last_token_at for r in trial.records) for trial in outcome.trials) <= elapsed

@@ -24,6 +24,7 @@ interleaved pairs, needs no gather.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -138,22 +139,27 @@ def _compress_blocks(
     RATIO: tl.constexpr,
     OVERLAPPING: tl.constexpr,
     BLOCK_TOK: tl.constexpr,
-    FILL_ABSENT: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Program (request, block of its chunk): pool the block's new tokens, emit its entry if
     the chunk completes it, and, for the request's last block, write the online state.
 
     ``later`` pools the block's own series (Cb when overlapping), ``earlier`` its Ca half and
     ``previous`` the Ca half of the block before, which this block's entry pools too.
+    ``DECODE``: request ``r`` has one token, projection row ``r`` and entry row ``r`` (zeros when
+    its block is not complete), and its state is updated in place.
     """
     request, block = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = DIM // 2
     POOLS: tl.constexpr = 3 if OVERLAPPING else 1
     width = (2 if OVERLAPPING else 1) * DIM
     start = tl.load(starts_ptr + request)
-    first_row = tl.load(chunk_rows_ptr + request)
-    end = start + tl.load(chunk_rows_ptr + request + 1) - first_row
+    if DECODE:
+        first_row = request
+        end = start + 1
+    else:
+        first_row = tl.load(chunk_rows_ptr + request)
+        end = start + tl.load(chunk_rows_ptr + request + 1) - first_row
     row_at_zero = first_row - start
     first_block = start // RATIO
     offset = start - first_block * RATIO
@@ -205,14 +211,14 @@ def _compress_blocks(
             )
             previous = _merge(previous, _load_pool(state_in_ptr, in_row, 1, (block == 1) & (offset > 0), DIM, POOLS))
             entry_pool = _merge(previous, later)
-        slot = (tl.load(entry_slots_ptr + request) + block).to(tl.int64)
+        slot = (request if DECODE else tl.load(entry_slots_ptr + request) + block).to(tl.int64)
         if block < complete:
             entry = _norm_and_rope(entry_pool, norm_weight_ptr, inv_freq_ptr, block_start, eps, DIM, ROPE_DIM)
             tl.store(entries_ptr + slot * DIM + _pairs(HALF), entry.to(entries_ptr.dtype.element_ty))
-        elif FILL_ABSENT:
+        elif DECODE:
             tl.store(entries_ptr + slot * DIM + _pairs(HALF), tl.zeros([HALF, 2], entries_ptr.dtype.element_ty))
         if block == blocks - 1:
-            if IN_PLACE:
+            if DECODE:
                 tl.debug_barrier()  # every thread has read the state before any overwrites it
             out_row = tl.load(out_rows_ptr + request)
             empty = _empty_pool(HALF)
@@ -281,8 +287,8 @@ def compress_decode(
     entries = kv.new_empty((requests, weights.dim))
     if requests == 0:
         return entries
-    one_each = torch.arange(requests + 1, device=kv.device, dtype=torch.int32)
-    _launch(kv, gate, positions, one_each, one_each, state, state_rows, state, state_rows, weights, entries, 1, True)
+    unused = positions  # decode reads no chunk or entry offsets
+    _launch(kv, gate, positions, unused, unused, state, state_rows, state, state_rows, weights, entries, 1, True)
     return entries
 
 
@@ -309,29 +315,18 @@ def compress_extend(
     entries = kv.new_empty((sum(completes), weights.dim))
     if not lengths:
         return entries
-    device = kv.device
-
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    chunk_rows = ints([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    entry_slots = ints([0, *torch.tensor(completes).cumsum(0).tolist()][:-1])
+    requests = len(lengths)
+    chunk_rows = [0, *itertools.accumulate(lengths)]
+    entry_slots = [0, *itertools.accumulate(completes)][:-1]
+    # One copy to the device for all the offsets: starts, chunk rows, entry slots, snapshot rows.
+    offsets = torch.tensor([*starts, *chunk_rows, *entry_slots, *range(requests)], dtype=torch.int32)
+    offsets = offsets.to(kv.device, non_blocking=True)
+    starts_at, rows_at, slots_at, snapshot_rows = offsets.split([requests, requests + 1, requests, requests])
     snapshot = state[state_rows]  # blocks of one request read the state while its last block rewrites it
     _launch(
-        kv,
-        gate,
-        ints(starts),
-        chunk_rows,
-        entry_slots,
-        snapshot,
-        torch.arange(len(lengths), device=device, dtype=torch.int32),
-        state,
-        state_rows,
-        weights,
-        entries,
-        max(blocks),
-        False,
-    )
+        kv, gate, starts_at, rows_at, slots_at, snapshot, snapshot_rows, state, state_rows, weights, entries,
+        max(blocks), False,
+    )  # fmt: skip
     return entries
 
 
@@ -377,6 +372,5 @@ def _launch(
         RATIO=weights.ratio,
         OVERLAPPING=weights.overlapping,
         BLOCK_TOK=1 if decode else min(weights.ratio, MAX_POOLED_TOKENS),
-        FILL_ABSENT=decode,
-        IN_PLACE=decode,
+        DECODE=decode,
     )

@@ -16,9 +16,9 @@ launch-bound. Here a whole ``post`` + next ``pre`` is two launches:
 The second launch reads the new streams back; it walks the tokens in reverse so that
 the rows the first launch wrote last are still in L2 when they are read.
 
-Shapes: ``streams [tokens, n, hidden]``, ``output [tokens, hidden]``, ``post [tokens, n]``
-and ``comb [tokens, n, n]`` float32. No host synchronisation: every call can be captured
-in a CUDA graph.
+Shapes: ``streams [tokens, n, hidden]`` with n = 4 (every V4 config's ``hc_mult``),
+``output [tokens, hidden]``, ``post [tokens, n]`` and ``comb [tokens, n, n]`` float32. No host
+synchronisation: every call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ MIX_COLUMNS_PAD = 32  # (2 + n) * n = 24 mix columns for n = 4, padded to a powe
 BLOCK_TOKENS = 16  # tokens per program of the partials pass (the dot needs 16 rows)
 BLOCK_CHANNELS = 64  # channels per step of the partials pass
 COLLAPSE_CHANNELS = 1024  # channels per step of the collapse
-PROGRAMS_WANTED = 528  # 4 per multiprocessor of an H200; more splits add partials, fewer leave SMs idle
+# Programs of the partials pass to aim for, 4 per H200 multiprocessor: at batch 1024, 16 per
+# multiprocessor (more channel splits, more partials) was 13% slower; at batch 64 the same
+# (benchmarks/NOTES.md).
+PROGRAMS_WANTED = 528
 
 
 @triton.jit
@@ -168,31 +171,52 @@ def _gates_and_collapse(
     post_ptr,
     comb_ptr,
     tokens,
-    hidden,
     splits,
     sinkhorn_iters,
     hc_eps,
     mix_norm_eps,
     norm_eps,
+    HIDDEN: tl.constexpr,
     N: tl.constexpr,
     MIX_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """One token: its gates, the collapse with the sublayer's RMSNorm, then ``comb`` (Sinkhorn)
+    last, its serial iterations overlapping other programs' loads."""
     token = tokens - 1 - tl.program_id(0)  # reverse order: the last-written streams are hot in L2
     stream = tl.arange(0, N)
     split = tl.arange(0, SPLITS_PAD)
     split_ok = split < splits
     at = (split * tokens + token) * MIX_PAD
-
     sumsq = tl.sum(tl.load(partial_sumsq_ptr + split * tokens + token, mask=split_ok, other=0.0), axis=0)
-    inv_rms = tl.rsqrt(sumsq / (N * hidden) + mix_norm_eps)
-    pre_logits = tl.sum(
-        tl.load(partial_mix_ptr + at[:, None] + stream[None, :], mask=split_ok[:, None], other=0.0), axis=0
-    )
-    post_logits = tl.sum(
-        tl.load(partial_mix_ptr + at[:, None] + N + stream[None, :], mask=split_ok[:, None], other=0.0), axis=0
-    )
+    inv_rms = tl.rsqrt(sumsq / (N * HIDDEN) + mix_norm_eps)
+    pre_logits = _sum_partials(partial_mix_ptr, at, stream, split_ok) * inv_rms
+    post_logits = _sum_partials(partial_mix_ptr, at + N, stream, split_ok) * inv_rms
+    pre_base = tl.load(base_ptr + stream).to(tl.float32)
+    post_base = tl.load(base_ptr + N + stream).to(tl.float32)
+    pre = tl.sigmoid(pre_logits * tl.load(scale_ptr).to(tl.float32) + pre_base) + hc_eps
+    post = 2 * tl.sigmoid(post_logits * tl.load(scale_ptr + 1).to(tl.float32) + post_base)
+    tl.store(post_ptr + token * N + stream, post)
+
+    # The collapse, rounded to the streams' dtype as the reference rounds it, then the
+    # sublayer's RMSNorm over the row. The first pass only loads (a store could alias a later
+    # load, which would keep the loads apart), unrolled, so the row's loads are in flight at
+    # once; the second pass reads the row again (now in L1/L2) and writes the normed collapse.
+    token64 = token.to(tl.int64)
+    stream_rows = streams_ptr + token64 * N * HIDDEN + stream[:, None] * HIDDEN
+    x_row = x_ptr + token64 * HIDDEN
+    x_sumsq = tl.zeros([BLOCK_H], tl.float32)
+    for chunk in tl.static_range(0, HIDDEN, BLOCK_H):
+        x = _collapse(stream_rows, pre, chunk, HIDDEN, BLOCK_H, x_ptr.dtype.element_ty).to(tl.float32)
+        x_sumsq += x * x
+    inv_rms_x = tl.rsqrt(tl.sum(x_sumsq, axis=0) / HIDDEN + norm_eps)
+    for chunk in tl.static_range(0, HIDDEN, BLOCK_H):
+        x = _collapse(stream_rows, pre, chunk, HIDDEN, BLOCK_H, x_ptr.dtype.element_ty).to(tl.float32)
+        c = chunk + tl.arange(0, BLOCK_H)
+        weight = tl.load(norm_weight_ptr + c, mask=c < HIDDEN, other=0.0).to(tl.float32)
+        tl.store(x_row + c, x * inv_rms_x * weight, mask=c < HIDDEN)
+
     square = stream[:, None] * N + stream[None, :]
     comb_logits = tl.sum(
         tl.load(
@@ -200,40 +224,24 @@ def _gates_and_collapse(
         ),
         axis=0,
     )
-    pre_scale = tl.load(scale_ptr).to(tl.float32)
-    post_scale = tl.load(scale_ptr + 1).to(tl.float32)
-    comb_scale = tl.load(scale_ptr + 2).to(tl.float32)
-    pre_base = tl.load(base_ptr + stream).to(tl.float32)
-    post_base = tl.load(base_ptr + N + stream).to(tl.float32)
     comb_base = tl.load(base_ptr + 2 * N + square).to(tl.float32)
+    comb_logits = comb_logits * inv_rms * tl.load(scale_ptr + 2).to(tl.float32) + comb_base
+    tl.store(comb_ptr + token * N * N + square, _doubly_stochastic(comb_logits, sinkhorn_iters, hc_eps))
 
-    pre = tl.sigmoid(pre_logits * inv_rms * pre_scale + pre_base) + hc_eps
-    post = 2 * tl.sigmoid(post_logits * inv_rms * post_scale + post_base)
-    comb = _doubly_stochastic(comb_logits * inv_rms * comb_scale + comb_base, sinkhorn_iters, hc_eps)
-    tl.store(post_ptr + token * N + stream, post)
-    tl.store(comb_ptr + token * N * N + square, comb)
 
-    # The collapse, rounded to the streams' dtype as the reference rounds it, then the
-    # sublayer's RMSNorm over the row: a second pass over the row just written (L1/L2).
-    token64 = token.to(tl.int64)
-    stream_rows = streams_ptr + token64 * N * hidden + stream[:, None] * hidden
-    x_row = x_ptr + token64 * hidden
-    x_sumsq = tl.zeros([BLOCK_H], tl.float32)
-    for chunk in range(0, hidden, BLOCK_H):
-        c = chunk + tl.arange(0, BLOCK_H)
-        ok = c < hidden
-        streams = tl.load(stream_rows + c[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-        x = tl.sum(pre[:, None] * streams, axis=0).to(x_ptr.dtype.element_ty)
-        tl.store(x_row + c, x, mask=ok)
-        x_sumsq += x.to(tl.float32) * x.to(tl.float32)
-    inv_rms_x = tl.rsqrt(tl.sum(x_sumsq, axis=0) / hidden + norm_eps)
-    tl.debug_barrier()  # the row's chunks were written by other threads
-    for chunk in range(0, hidden, BLOCK_H):
-        c = chunk + tl.arange(0, BLOCK_H)
-        ok = c < hidden
-        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
-        weight = tl.load(norm_weight_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        tl.store(x_row + c, x * inv_rms_x * weight, mask=ok)
+@triton.jit
+def _collapse(stream_rows, pre, chunk, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr):
+    """``sum_j pre[j] * streams[j, chunk ..]`` rounded to ``dtype``."""
+    c = chunk + tl.arange(0, BLOCK_H)
+    streams = tl.load(stream_rows + c[None, :], mask=(c < HIDDEN)[None, :], other=0.0).to(tl.float32)
+    return tl.sum(pre[:, None] * streams, axis=0).to(dtype)
+
+
+@triton.jit
+def _sum_partials(partial_mix_ptr, at, column, split_ok):
+    """``sum over splits of partial_mix[split, token, column]`` (``at`` locates each split's row)."""
+    values = tl.load(partial_mix_ptr + at[:, None] + column[None, :], mask=split_ok[:, None], other=0.0)
+    return tl.sum(values, axis=0)
 
 
 @triton.jit
@@ -369,7 +377,6 @@ def _launch_collapse(
     comb = streams.new_empty((tokens, n, n), dtype=torch.float32)
     if tokens == 0:
         return x, post, comb
-    block_h = min(COLLAPSE_CHANNELS, triton.next_power_of_2(hidden))
     _gates_and_collapse[(tokens,)](
         partials.mix,
         partials.sumsq,
@@ -381,15 +388,15 @@ def _launch_collapse(
         post,
         comb,
         tokens,
-        hidden,
         partials.splits,
         mixing.sinkhorn_iters,
         mixing.hc_eps,
         mixing.norm_eps,
         norm_eps,
+        HIDDEN=hidden,
         N=n,
         MIX_PAD=MIX_COLUMNS_PAD,
         SPLITS_PAD=triton.next_power_of_2(partials.splits),
-        BLOCK_H=block_h,
+        BLOCK_H=min(COLLAPSE_CHANNELS, triton.next_power_of_2(hidden)),
     )
     return x, post, comb

@@ -150,13 +150,16 @@ class Compressor(nn.Module):
 
     def advance_reference(self, x: torch.Tensor, start: int, state: CompressorState) -> int:
         """:meth:`advance` in torch."""
-        ratio, length = self.ratio, x.shape[0]
+        return self.pool_reference(self.wkv(x), self.wgate(x), start, state)
+
+    def pool_reference(self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState) -> int:
+        """:meth:`advance` from the projections ``kv = wkv(x)`` and ``gate = wgate(x)``."""
+        ratio, length = self.ratio, kv.shape[0]
         offset = start % ratio
         num_blocks = -(-(offset + length) // ratio)
         complete = (offset + length) // ratio
-        positions = torch.arange(start, start + length, device=x.device)
-        kv = self.wkv(x)
-        logits = self.wgate(x) + self.ape[positions % ratio]
+        positions = torch.arange(start, start + length, device=kv.device)
+        logits = gate + self.ape[positions % ratio]
         # Lay the tokens out in their blocks' slots; slots outside the chunk are absent.
         slots_kv = kv.new_zeros(num_blocks * ratio, kv.shape[-1])
         slots_logits = logits.new_full((num_blocks * ratio, kv.shape[-1]), float("-inf"))
@@ -169,9 +172,9 @@ class Compressor(nn.Module):
             entry_pools = self._advance_disjoint(pools, complete, state)
         if complete == 0:
             return 0
-        entries = self.norm(entry_pools.value().to(x.dtype))
+        entries = self.norm(entry_pools.value().to(kv.dtype))
         first_block = start // ratio
-        block_starts = (torch.arange(complete, device=x.device) + first_block) * ratio
+        block_starts = (torch.arange(complete, device=kv.device) + first_block) * ratio
         cos, sin = self.rotary.cos_sin(block_starts)
         state.entries = torch.cat([state.entries, apply_rope(entries, cos, sin)])
         return complete

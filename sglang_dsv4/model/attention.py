@@ -77,8 +77,13 @@ class Attention(nn.Module):
             visible = torch.cat([visible, entry_visible], dim=1)
         state.window = keys[: key_positions.shape[0]][-self.window :]
 
-        out = self._attend(q, keys, visible)
-        out = apply_rope(out, cos, sin, inverse=True)
+        if q.is_cuda:  # the Triton kernel: both pools, the sink and the inverse rope in one pass
+            from ..kernels.attention import attend_visible
+
+            scale = self.head_dim**-0.5
+            out = attend_visible(q, keys, key_positions.shape[0], visible, self.attn_sink, cos, sin, scale=scale)
+        else:
+            out = apply_rope(self._attend(q, keys, visible), cos, sin, inverse=True)
         return self._project_out(out)
 
     def _compressed(

@@ -29,15 +29,21 @@ class Indexer(nn.Module):
             config.hidden_size, self.head_dim, config.csa_rate, True, rotary, config.rms_norm_eps
         )
 
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped index queries ``[L, heads, head_dim]`` and their head weights ``[L, heads]`` (float32)."""
+        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(positions)
+        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        return apply_rope(q, cos, sin), head_weights
+
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
         """Index scores ``[L, num_keys]`` of every query against every key (float32)."""
-        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions)
-        q = apply_rope(q, cos, sin)
+        q, head_weights = self.queries(x, q_residual, positions)
         dots = torch.einsum("lhd,kd->lhk", q.float(), keys.float()).relu() * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
         return torch.einsum("lhk,lh->lk", dots, head_weights)
 
     def select(
@@ -56,6 +62,11 @@ class Indexer(nn.Module):
         keys = state.entries
         if keys.shape[0] == 0:
             return visible
+        if x.is_cuda:  # the Triton kernels: scoring, then an exact top-k
+            from ..kernels.indexer import select_visible
+
+            q, head_weights = self.queries(x, q_residual, positions)
+            return select_visible(q, head_weights, keys, visible, self.topk, scale=self.head_dim**-0.5)
         scores = self.scores(x, q_residual, positions, keys).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         chosen = torch.zeros_like(visible).scatter_(-1, top, True)

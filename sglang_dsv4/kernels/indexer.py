@@ -1,0 +1,177 @@
+"""The lightning indexer's scoring in Triton, and the selection it feeds.
+
+Each query row scores every indexer key it can see:
+``score[j] = sum_h w_h * ReLU(q_h . k_j) * scale`` with per-row head weights ``w``
+(``weights_proj(x) / sqrt(index_n_heads)``) and ``scale = index_head_dim ** -0.5``;
+the dot products accumulate in float32 (:meth:`sglang_dsv4.model.indexer.Indexer.scores`).
+Keys are rows of a pool, found through a per-row table of fixed width (or, without a
+table, the pool's rows in order); a row's keys past its length score ``-inf``. The
+top-k over the scores is :mod:`.topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .interpreter import INTERPRETED, dot
+from .topk import temporal_top_k, top_k, top_k_reference
+
+
+def index_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scores ``[rows, width]`` float32 of each query row against its keys.
+
+    ``q`` is ``[rows, heads, dim]``; ``head_weights`` ``[rows, heads]`` float32; ``keys``
+    ``[pool_rows, dim]``; ``lengths`` ``[rows]`` int32. ``table`` ``[rows, width]`` int32
+    maps a row's key slot to a pool row (its row stride may be 0: queries of one request
+    share a table); without it slot ``j`` is pool row ``j`` and ``width = pool_rows``.
+    """
+    rows, heads, dim = q.shape
+    _check_inputs(q, head_weights, keys, lengths, table)
+    width = keys.shape[0] if table is None else table.shape[1]
+    scores = q.new_empty((rows, width), dtype=torch.float32)
+    if rows == 0 or width == 0:
+        return scores
+    block_keys, tiles = 128, 4
+    grid = (rows, triton.cdiv(width, block_keys * tiles))
+    table_arg = lengths if table is None else table
+    _index_scores_kernel[grid](
+        q, q.stride(0), q.stride(1), head_weights, head_weights.stride(0), keys, keys.stride(0),
+        table_arg, 0 if table is None else table.stride(0), lengths, scores, scores.stride(0), width, scale,
+        HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
+        TILES=tiles, HAS_TABLE=table is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,
+        num_warps=4,
+    )  # fmt: skip
+    return scores
+
+
+def index_scores_reference(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same scores in torch (gather, float32 or the inputs' wider dtype)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if table is None:
+        gathered = keys.to(compute).expand(q.shape[0], -1, -1)
+    else:
+        gathered = keys[table.long().clamp(0, keys.shape[0] - 1)].to(compute)
+    dots = torch.einsum("rhd,rkd->rhk", q.to(compute), gathered).relu() * scale
+    scores = torch.einsum("rhk,rh->rk", dots, head_weights.to(compute))
+    visible = torch.arange(scores.shape[1], device=q.device)[None, :] < lengths[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def select_entries(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    scale: float,
+    table: torch.Tensor | None = None,
+    previous: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``k`` best-scoring key slots of each row, ``[rows, k]`` int32 (see :func:`.topk.top_k`).
+
+    With ``previous`` (the last step's selection of the same rows) the temporal variant
+    runs; the set is the same either way.
+    """
+    scores = index_scores(q, head_weights, keys, lengths, scale=scale, table=table)
+    if previous is None:
+        return top_k(scores, lengths, k)
+    return temporal_top_k(scores, lengths, k, previous)
+
+
+# Below these sizes torch.topk beat the Triton top-k on the H200 (its per-row select costs ~100 us
+# whatever the width; benchmarks/RESULTS.md), so the network's path keeps torch.topk there.
+TRITON_TOP_K_MIN_ROWS, TRITON_TOP_K_MIN_WIDTH = 64, 1 << 17
+
+
+def select_visible(
+    q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int, *, scale: float
+) -> torch.Tensor:
+    """The network's form of the call: boolean ``[rows, len(keys)]``, the top-k of each row's visible keys.
+
+    ``visible`` must mark a prefix of ``keys`` in every row (a query sees the entries of
+    the blocks complete at its position).
+    """
+    lengths = visible.sum(-1, dtype=torch.int32)
+    scores = index_scores(q, head_weights, keys, lengths, scale=scale)
+    if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
+        chosen = top_k(scores, lengths, k)
+    else:
+        chosen = top_k_reference(scores, lengths, k)
+    hits = torch.zeros(visible.shape, dtype=torch.int32, device=visible.device)
+    hits.scatter_add_(1, chosen.clamp(min=0).long(), (chosen >= 0).to(torch.int32))
+    return (hits > 0) & visible
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    table: torch.Tensor | None,
+) -> None:
+    rows, heads, dim = q.shape
+    if q.stride(2) != 1 or keys.stride(1) != 1:
+        raise ValueError("q and keys need a contiguous last dim")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"index head dim must be a power of two >= 16, got {dim}")
+    if keys.dim() != 2 or keys.shape[1] != dim or keys.dtype != q.dtype:
+        raise ValueError(f"keys must be [pool_rows, {dim}] in {q.dtype}, got {keys.dtype} {tuple(keys.shape)}")
+    if head_weights.shape != (rows, heads) or head_weights.dtype != torch.float32 or head_weights.stride(1) != 1:
+        raise ValueError(f"head_weights must be float32 [{rows}, {heads}] with a contiguous last dim")
+    if lengths.shape != (rows,) or lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32 [{rows}]")
+    if table is not None and (table.dtype != torch.int32 or table.shape[0] != rows or table.stride(1) != 1):
+        raise ValueError(f"table must be int32 [{rows}, width] with a contiguous last dim")
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, q_row_stride, q_head_stride, weights_ptr, weights_row_stride, keys_ptr, keys_row_stride,
+    table_ptr, table_row_stride, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+    TILES: tl.constexpr, HAS_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_HEADS)
+    head_ok = heads < HEADS
+    channels = tl.arange(0, DIM)
+    q = tl.load(
+        q_ptr + row * q_row_stride + heads[:, None] * q_head_stride + channels[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    )
+    weights = tl.load(weights_ptr + row * weights_row_stride + heads, mask=head_ok, other=0.0) * scale
+    length = tl.load(lengths_ptr + row)
+    for tile in range(TILES):
+        slots = (tl.program_id(1) * TILES + tile) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+        visible = slots < length
+        if HAS_TABLE:
+            key_rows = tl.load(table_ptr + row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
+        else:
+            key_rows = slots.to(tl.int64)
+        key_pointers = keys_ptr + key_rows[:, None] * keys_row_stride + channels[None, :]
+        k = tl.load(key_pointers, mask=visible[:, None], other=0.0)
+        dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_KEYS, BLOCK_HEADS], float32
+        scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
+        scores = tl.where(visible, scores, float("-inf"))
+        tl.store(scores_ptr + row * scores_row_stride + slots, scores, mask=slots < width)

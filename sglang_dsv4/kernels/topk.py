@@ -1,0 +1,372 @@
+"""Exact top-k over rows of float32 scores, in Triton: threshold, keep, verify, refine.
+
+Three launches per call, whatever the rows' lengths (so a call can be captured in a
+CUDA graph):
+
+1. a threshold per row that should sit a little below the row's k-th largest score:
+   :func:`top_k` takes it from a sample of the row (runs of adjacent scores spread over
+   it), :func:`temporal_top_k` from the scores the previous step's selection has now
+   (their minimum: at least k scores clear it by construction);
+2. one pass over the scores that keeps every score at or above the threshold, with its
+   slot, in a small per-row buffer, and counts them;
+3. per row, a verification and an exact select: when at least k and at most the
+   buffer's capacity cleared the threshold, a radix select (four 8-bit digits of the
+   scores' order-preserving integer keys) over the kept scores finds the k-th largest
+   exactly; otherwise, rarely, the same radix select streams over the whole row.
+
+Either way the result is exactly :func:`torch.topk`'s set (up to which of equal scores
+at the k-th place are taken). The cost is one read of the scores plus small terms; the
+temporal variant saves the sample and keeps fewer scores, since its threshold is tighter.
+Output: ``[rows, k]`` int32 slots, a row's ``min(k, length)`` chosen slots first in no
+particular order, then ``-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SAMPLE_RUNS, RUN_LENGTH = 512, 8  # the sample: 512 runs of 8 adjacent scores (one 32-byte sector each)
+SAMPLE_MARGIN = 2  # aim the sampled threshold at about twice k scores ...
+SAMPLE_EXTRA = 16  # ... plus this many more sampled ones, so that fewer than k clear it only by a freak
+KEEP_BLOCK = 1024  # scores one program of the keeping pass reads
+SEGMENT = 256  # scores it may keep (beyond that the row streams)
+SELECT_TILE = 8192  # candidate places the select holds in registers at a time
+
+
+def top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]`` for each row ``r``, ``[rows, k]`` int32."""
+    _check_inputs(scores, lengths, k)
+    thresholds = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
+    if scores.shape[0]:
+        _sampled_threshold_kernel[(scores.shape[0],)](
+            scores, scores.stride(0), lengths, thresholds, k,
+            RUNS=SAMPLE_RUNS, RUN=RUN_LENGTH, MARGIN=SAMPLE_MARGIN, EXTRA=SAMPLE_EXTRA, num_warps=4,
+        )  # fmt: skip
+    return _keep_and_select(scores, lengths, k, thresholds)
+
+
+def temporal_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, previous: torch.Tensor) -> torch.Tensor:
+    """:func:`top_k`, with the threshold taken from ``previous`` (``[rows, >= k]`` int32 slots, ``-1`` for none).
+
+    ``previous`` is typically the last decode step's result for the same rows; any
+    content gives the exact result, a poor one only takes longer.
+    """
+    _check_inputs(scores, lengths, k)
+    if previous.dtype != torch.int32 or previous.shape[0] != scores.shape[0] or previous.shape[1] < k:
+        raise ValueError(f"previous must be int32 [{scores.shape[0]}, >= {k}], got {previous.dtype} {previous.shape}")
+    if previous.stride(1) != 1:
+        raise ValueError("previous needs a contiguous last dim")
+    thresholds = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
+    if scores.shape[0]:
+        _previous_threshold_kernel[(scores.shape[0],)](
+            scores, scores.stride(0), lengths, previous, previous.stride(0), thresholds, k,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=4,
+        )  # fmt: skip
+    return _keep_and_select(scores, lengths, k, thresholds)
+
+
+def top_k_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The same in torch: ``torch.topk`` of the visible scores, ``-1`` where a row has fewer than ``k``."""
+    width = scores.shape[1]
+    visible = torch.arange(width, device=scores.device)[None, :] < lengths[:, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    top = masked.topk(min(k, width), dim=-1).indices.to(torch.int32)
+    top = torch.cat([top, top.new_full((top.shape[0], k - top.shape[1]), -1)], dim=1)
+    ranks = torch.arange(k, device=scores.device)[None, :]
+    return torch.where(ranks < lengths[:, None].clamp(max=k), top, -1)
+
+
+def _check_inputs(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"scores must be float32 [rows, width] with a contiguous last dim, got {scores.dtype}")
+    if lengths.shape != (scores.shape[0],) or lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32 [{scores.shape[0]}]")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+
+
+def _keep_and_select(scores: torch.Tensor, lengths: torch.Tensor, k: int, thresholds: torch.Tensor) -> torch.Tensor:
+    rows, width = scores.shape
+    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    if rows == 0:
+        return out
+    segments = max(1, triton.cdiv(width, KEEP_BLOCK))
+    kept_scores = torch.empty(rows, segments, SEGMENT, dtype=torch.float32, device=scores.device)
+    kept_slots = torch.empty(rows, segments, SEGMENT, dtype=torch.int32, device=scores.device)
+    kept_counts = torch.empty(rows, segments, dtype=torch.int32, device=scores.device)
+    _keep_kernel[(rows, segments)](
+        scores, scores.stride(0), width, lengths, thresholds, kept_scores, kept_slots, kept_counts,
+        BLOCK=KEEP_BLOCK, SEGMENT=SEGMENT, num_warps=4,
+    )  # fmt: skip
+    segment_block = triton.next_power_of_2(segments)
+    _select_kernel[(rows,)](
+        scores, scores.stride(0), lengths, kept_scores, kept_slots, kept_counts, out, out.stride(0), k, segments,
+        SEGMENT=SEGMENT, SEGMENT_BLOCK=segment_block, SEGMENT_CHUNK=max(16, SELECT_TILE // segment_block),
+        BLOCK_K=triton.next_power_of_2(k), num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _order_key(values):
+    """int32 keys ordered like the float32 ``values`` (negative floats have their magnitude bits flipped)."""
+    bits = values.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _value_of_key(key):
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _digit(keys, prefix, PASS: tl.constexpr):
+    """2-bit digit ``PASS`` (0 = most significant) of the keys, and which keys match the digits chosen before it."""
+    if PASS == 0:
+        digits = ((keys >> 30) + 2) & 3  # the sign's digit, made unsigned-ordered
+        match = keys == keys
+    else:
+        digits = (keys >> (30 - 2 * PASS)) & 3
+        match = (keys >> (32 - 2 * PASS)) == (prefix >> (32 - 2 * PASS))
+    return digits, match
+
+
+@triton.jit
+def _digit_counts(keys, valid, prefix, PASS: tl.constexpr):
+    """How many valid keys matching ``prefix`` have each value (0..3) of digit ``PASS``: four 16-bit fields.
+
+    One packed sum rather than ``tl.histogram``, whose shared-memory atomics serialise
+    when most keys share a digit (as the leading digits of a radix select's candidates
+    do). A chunk holds at most 65535 keys.
+    """
+    digits, match = _digit(keys, prefix, PASS)
+    one = tl.full(digits.shape, 1, tl.int64)
+    return tl.sum(tl.where(valid & match, one << (16 * digits).to(tl.int64), 0), 0)
+
+
+@triton.jit
+def _unpack_counts(packed):
+    return (
+        (packed & 0xFFFF).to(tl.int32),
+        ((packed >> 16) & 0xFFFF).to(tl.int32),
+        ((packed >> 32) & 0xFFFF).to(tl.int32),
+        ((packed >> 48) & 0xFFFF).to(tl.int32),
+    )
+
+
+@triton.jit
+def _choose_digit(c0, c1, c2, c3, rank, prefix, PASS: tl.constexpr):
+    """The digit holding the ``rank``-th largest: the extended prefix, and the rank within that digit."""
+    at_least_3 = c3
+    at_least_2 = c3 + c2
+    at_least_1 = at_least_2 + c1
+    chosen = tl.where(at_least_3 >= rank, 3, tl.where(at_least_2 >= rank, 2, tl.where(at_least_1 >= rank, 1, 0)))
+    above = tl.where(chosen == 3, 0, tl.where(chosen == 2, at_least_3, tl.where(chosen == 1, at_least_2, at_least_1)))
+    if PASS == 0:
+        prefix = (chosen - 2) << 30
+    else:
+        prefix = prefix | (chosen << (30 - 2 * PASS))
+    return prefix, rank - above
+
+
+@triton.jit
+def _kth_largest_key(keys, valid, rank):
+    """The ``rank``-th largest (1-based) of ``keys[valid]`` and how many keys equal to it are among the top ``rank``.
+
+    Leading digits that every valid key shares (candidates above a threshold usually
+    share their sign and high exponent bits) are taken from the least key without a count.
+    """
+    least = tl.min(tl.where(valid, keys, 0x7FFFFFFF), 0)
+    most = tl.max(tl.where(valid, keys, -0x7FFFFFFF - 1), 0)
+    prefix = tl.zeros((), tl.int32)
+    for p in tl.static_range(16):
+        if (least >> (30 - 2 * p)) == (most >> (30 - 2 * p)):
+            prefix = (least >> (30 - 2 * p)) << (30 - 2 * p)
+        else:
+            c0, c1, c2, c3 = _unpack_counts(_digit_counts(keys, valid, prefix, p))
+            prefix, rank = _choose_digit(c0, c1, c2, c3, rank, prefix, p)
+    return prefix, rank
+
+
+@triton.jit
+def _write_chosen(out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties):
+    """Write the slots of keys above ``key`` and of the first ``ties`` keys equal to it; returns the running counts.
+
+    Above-key slots fill ``out_row[0 : k_eff - ties]``, the tied ones the rest of ``[0, k_eff)``.
+    """
+    above = (valid & (keys > key)).to(tl.int32)
+    tl.store(out_row + written_above + tl.cumsum(above, 0) - 1, slots, mask=above != 0)
+    tied = (valid & (keys == key)).to(tl.int32)
+    tie_rank = written_ties + tl.cumsum(tied, 0) - 1
+    tl.store(out_row + (k_eff - ties) + tie_rank, slots, mask=(tied != 0) & (tie_rank < ties))
+    return written_above + tl.sum(above, 0), written_ties + tl.sum(tied, 0)
+
+
+@triton.jit
+def _candidates(
+    scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
+    SEGMENT: tl.constexpr, SEGMENT_BLOCK: tl.constexpr, SEGMENT_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``chunk`` of a row's candidates as ``(keys, slots, valid)``, ``SEGMENT_BLOCK * SEGMENT_CHUNK`` wide.
+
+    From the kept segments (columns ``chunk * SEGMENT_CHUNK ..`` of every segment) or, when
+    streaming, straight from the row's scores.
+    """
+    if from_segments:
+        column = chunk * SEGMENT_CHUNK + tl.arange(0, SEGMENT_CHUNK)[None, :]
+        places = tl.arange(0, SEGMENT_BLOCK)[:, None] * SEGMENT + column
+        valid = tl.reshape(column < counts[:, None], (SEGMENT_BLOCK * SEGMENT_CHUNK,))
+        places = tl.reshape(places, (SEGMENT_BLOCK * SEGMENT_CHUNK,))
+        values = tl.load(kept_scores_row + places, mask=valid, other=0.0)
+        slots = tl.load(kept_slots_row + places, mask=valid, other=0)
+    else:
+        slots = chunk * (SEGMENT_BLOCK * SEGMENT_CHUNK) + tl.arange(0, SEGMENT_BLOCK * SEGMENT_CHUNK)
+        valid = slots < length
+        values = tl.load(scores_row + slots, mask=valid, other=0.0)
+    return _order_key(values), slots, valid
+
+
+@triton.jit
+def _sampled_threshold_kernel(
+    scores_ptr, scores_row_stride, lengths_ptr, thresholds_ptr, k,
+    RUNS: tl.constexpr, RUN: tl.constexpr, MARGIN: tl.constexpr, EXTRA: tl.constexpr,
+):  # fmt: skip
+    """A threshold with about ``MARGIN * k + EXTRA * length / (RUNS * RUN)`` scores above it.
+
+    It is a high order statistic of the runs' maxima: for the tail of the distribution a
+    run's maximum clears a value about ``RUN`` times as often as one score does, so ranks
+    among ``RUNS`` maxima stand for ranks among ``RUNS * RUN`` sampled scores.
+    """
+    row = tl.program_id(0)
+    length = tl.load(lengths_ptr + row)
+    k_eff = tl.minimum(k, length)
+    SAMPLE: tl.constexpr = RUNS * RUN
+    run = tl.arange(0, RUNS).to(tl.int64)
+    first = run * length // RUNS
+    room = tl.maximum((run + 1) * length // RUNS - first - RUN + 1, 1)
+    jitter = ((run * 2654435761 + row * 40503) & 0x7FFFFFFF) % room
+    slots = (first + jitter)[:, None] + tl.arange(0, RUN)[None, :]
+    values = tl.load(scores_ptr + row * scores_row_stride + slots, mask=slots < length, other=-float("inf"))
+    maxima = tl.max(values, 1)
+    rank = tl.cdiv(MARGIN * k_eff * SAMPLE, tl.maximum(length, 1)) + EXTRA
+    key, _ = _kth_largest_key(_order_key(maxima), run < RUNS, tl.minimum(rank, RUNS))
+    # A short row, or one the sample cannot pin down, keeps everything (then selects or streams).
+    threshold = tl.where((length <= SAMPLE) | (rank > RUNS), -float("inf"), _value_of_key(key))
+    tl.store(thresholds_ptr + row, tl.where(length <= k, float("inf"), threshold))  # all chosen: keep nothing
+
+
+@triton.jit
+def _previous_threshold_kernel(
+    scores_ptr, scores_row_stride, lengths_ptr, previous_ptr, previous_row_stride, thresholds_ptr, k,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The least current score of the previous selection: at least k scores are at or above it."""
+    row = tl.program_id(0)
+    length = tl.load(lengths_ptr + row)
+    ranks = tl.arange(0, BLOCK_K)
+    slots = tl.load(previous_ptr + row * previous_row_stride + ranks, mask=ranks < k, other=-1)
+    valid = (slots >= 0) & (slots < length)
+    values = tl.load(scores_ptr + row * scores_row_stride + slots, mask=valid, other=float("inf"))
+    # Too few previous slots to vouch for k scores: keep everything (and likely stream).
+    vouched = tl.sum(valid.to(tl.int32), 0) >= tl.minimum(k, length)
+    threshold = tl.where(vouched, tl.min(values, 0), -float("inf"))
+    tl.store(thresholds_ptr + row, tl.where(length <= k, float("inf"), threshold))
+
+
+@triton.jit
+def _keep_kernel(
+    scores_ptr, scores_row_stride, width, lengths_ptr, thresholds_ptr, kept_scores_ptr, kept_slots_ptr,
+    kept_counts_ptr, BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
+):  # fmt: skip
+    """Copy the block's scores at or above the row's threshold (and their slots) to its own segment; count them.
+
+    Each block owns its segment, so no atomics (and no round trip to the L2 for an
+    offset) stand between the load and the stores.
+    """
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    length = tl.load(lengths_ptr + row)
+    # A load mask aligned to 16 slots keeps the loads 16 bytes wide; slots past the length are dropped after.
+    readable = tl.minimum(tl.cdiv(length, 16) * 16, width)
+    threshold = tl.load(thresholds_ptr + row)
+    slots = block * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(scores_ptr + row * scores_row_stride + slots, mask=slots < readable, other=0.0)
+    keep = ((slots < length) & (values >= threshold)).to(tl.int32)
+    kept = tl.sum(keep, 0)
+    segment = (row * tl.num_programs(1) + block).to(tl.int64)
+    tl.store(kept_counts_ptr + segment, kept)
+    if kept > 0:
+        places = tl.cumsum(keep, 0) - 1
+        fits = (keep != 0) & (places < SEGMENT)
+        tl.store(kept_scores_ptr + segment * SEGMENT + places, values, mask=fits)
+        tl.store(kept_slots_ptr + segment * SEGMENT + places, slots, mask=fits)
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr, scores_row_stride, lengths_ptr, kept_scores_ptr, kept_slots_ptr, kept_counts_ptr,
+    out_ptr, out_row_stride, k, segments,
+    SEGMENT: tl.constexpr, SEGMENT_BLOCK: tl.constexpr, SEGMENT_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Write the row's top-k slots: from its kept segments when they verify, else by streaming the row."""
+    row = tl.program_id(0)
+    length = tl.load(lengths_ptr + row)
+    k_eff = tl.minimum(k, length)
+    out_row = out_ptr + row * out_row_stride
+    ranks = tl.arange(0, BLOCK_K)
+    tl.store(out_row + ranks, -1, mask=(ranks >= k_eff) & (ranks < k))
+    if length <= k:
+        for first in range(0, length, BLOCK_K):
+            slots = first + ranks
+            tl.store(out_row + slots, slots, mask=slots < length)
+    else:
+        segment = tl.arange(0, SEGMENT_BLOCK)
+        first_segment = row.to(tl.int64) * segments
+        counts = tl.load(kept_counts_ptr + first_segment + segment, mask=segment < segments, other=0)
+        # The kept scores verify when none was dropped for room and at least k cleared the threshold.
+        from_segments = (tl.max(counts, 0) <= SEGMENT) & (tl.sum(counts, 0) >= k_eff)
+        if from_segments:
+            chunks = tl.cdiv(tl.max(counts, 0), SEGMENT_CHUNK)
+        else:
+            chunks = tl.cdiv(length, SEGMENT_BLOCK * SEGMENT_CHUNK)
+        scores_row = scores_ptr + row * scores_row_stride
+        kept_scores_row = kept_scores_ptr + first_segment * SEGMENT
+        kept_slots_row = kept_slots_ptr + first_segment * SEGMENT
+        written_above = tl.zeros((), tl.int32)
+        written_ties = tl.zeros((), tl.int32)
+        if chunks == 1:  # the usual case: every candidate in registers at once
+            keys, slots, valid = _candidates(
+                scores_row, length, kept_scores_row, kept_slots_row, counts, 0, from_segments,
+                SEGMENT, SEGMENT_BLOCK, SEGMENT_CHUNK,
+            )  # fmt: skip
+            key, ties = _kth_largest_key(keys, valid, k_eff)
+            _write_chosen(out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties)
+        else:  # candidates read again for every digit
+            key = tl.zeros((), tl.int32)
+            ties = k_eff
+            for p in tl.static_range(16):
+                c0, c1, c2, c3 = (
+                    tl.zeros((), tl.int32),
+                    tl.zeros((), tl.int32),
+                    tl.zeros((), tl.int32),
+                    tl.zeros((), tl.int32),
+                )
+                for chunk in range(chunks):
+                    keys, _, valid = _candidates(
+                        scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
+                        SEGMENT, SEGMENT_BLOCK, SEGMENT_CHUNK,
+                    )  # fmt: skip
+                    d0, d1, d2, d3 = _unpack_counts(_digit_counts(keys, valid, key, p))
+                    c0, c1, c2, c3 = c0 + d0, c1 + d1, c2 + d2, c3 + d3
+                key, ties = _choose_digit(c0, c1, c2, c3, ties, key, p)
+            for chunk in range(chunks):
+                keys, slots, valid = _candidates(
+                    scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
+                    SEGMENT, SEGMENT_BLOCK, SEGMENT_CHUNK,
+                )  # fmt: skip
+                written_above, written_ties = _write_chosen(
+                    out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties
+                )

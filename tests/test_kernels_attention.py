@@ -1,0 +1,117 @@
+"""The sparse decode attention kernel against a float64 torch reference, under Triton's interpreter
+(in a process of their own: see ``kernel_testing``).
+
+Fresh random inputs per case; outputs start as NaN (an element the kernel never writes
+fails the check); row lengths are odd, empty and full; the entries are split across
+programs in some cases (partial softmax states merged by the second kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import interpreted_only, launcher_only, poison_allocations, relative_error, run_under_interpreter
+
+from sglang_dsv4.config import parse_config
+from sglang_dsv4.model.attention import Attention
+from sglang_dsv4.model.rope import Rotary, apply_rope
+from sglang_dsv4.tiny import TINY_CONFIG
+
+
+@launcher_only
+def test_attention_kernel_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from sglang_dsv4.kernels import attention
+
+    return attention
+
+
+def random_selection(kernels, rows: int, width: int, head_dim: int, dtype: torch.dtype, generator):
+    pool_rows = 3 * width + 1
+    pool = torch.randn(pool_rows, head_dim, generator=generator).to(dtype)
+    indices = torch.randint(0, pool_rows, (rows, width), generator=generator, dtype=torch.int32)
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator, dtype=torch.int32)
+    lengths[0], lengths[-1] = 0, width  # an empty and a full selection
+    return kernels.KVSelection(pool, indices, lengths)
+
+
+def widened(kernels, selection):
+    return kernels.KVSelection(selection.pool.double(), selection.indices, selection.lengths)
+
+
+# rows, heads, head_dim, rope_dim, window width, compressed width, dtype, splits
+CASES = [
+    (3, 4, 64, 16, 9, 21, torch.float32, 1),
+    (5, 4, 64, 16, 7, 45, torch.float32, 3),
+    (2, 20, 128, 32, 33, 70, torch.bfloat16, 1),
+    (4, 16, 64, 64, 17, 100, torch.bfloat16, 2),
+    (3, 64, 64, 16, 5, 13, torch.bfloat16, None),
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows, heads, head_dim, rope_dim, window_width, compressed_width, dtype, splits", CASES)
+def test_attention_matches_float64_reference(
+    kernels, monkeypatch, rows, heads, head_dim, rope_dim, window_width, compressed_width, dtype, splits
+):
+    generator = torch.Generator().manual_seed(hash((rows, heads, head_dim, window_width)) % 2**31)
+    q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
+    window = random_selection(kernels, rows, window_width, head_dim, dtype, generator)
+    compressed = random_selection(kernels, rows, compressed_width, head_dim, dtype, generator)
+    compressed.lengths[0] = compressed_width  # rows with only window entries and only compressed ones
+    sink = torch.randn(heads, generator=generator)
+    angles = torch.rand(rows, rope_dim // 2, generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+    poison_allocations(monkeypatch)
+
+    out = kernels.sparse_decode_attention(q, window, compressed, sink, cos, sin, scale=head_dim**-0.5, splits=splits)
+
+    expected = kernels.sparse_decode_attention_reference(
+        q.double(),
+        widened(kernels, window),
+        widened(kernels, compressed),
+        sink.double(),
+        cos.double(),
+        sin.double(),
+        scale=head_dim**-0.5,
+    )
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@interpreted_only
+def test_a_row_with_no_entries_reads_only_the_sink(kernels):
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 64, generator=generator)
+    empty = kernels.KVSelection(
+        torch.randn(3, 64, generator=generator), torch.zeros(2, 5, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    )
+    angles = torch.rand(2, 8, generator=generator)
+    out = kernels.sparse_decode_attention(q, empty, empty, torch.randn(4), angles.cos(), angles.sin(), scale=0.125)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@interpreted_only
+def test_network_form_matches_the_models_attend(kernels):
+    """``attend_visible`` (what the network calls on CUDA) against ``Attention._attend`` plus the inverse rope."""
+    config = parse_config(dict(TINY_CONFIG))
+    rotary = Rotary(config.rope_head_dim, config.rope_theta, None)
+    attention = Attention(config, 0, rotary, rotary)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        attention.attn_sink.copy_(torch.randn(config.num_heads, generator=generator))
+    rows, raw, entries = 6, 19, 23
+    q = torch.randn(rows, config.num_heads, config.head_dim, generator=generator)
+    keys = torch.randn(raw + entries, config.head_dim, generator=generator)
+    visible = torch.rand(rows, raw + entries, generator=generator) < 0.6
+    visible[0] = False
+    cos, sin = rotary.cos_sin(torch.arange(100, 100 + rows))
+
+    out = kernels.attend_visible(q, keys, raw, visible, attention.attn_sink, cos, sin, scale=config.head_dim**-0.5)
+
+    with torch.no_grad():
+        expected = apply_rope(attention._attend(q, keys, visible), cos, sin, inverse=True)
+    assert relative_error(out, expected) < 1e-5

@@ -1,0 +1,181 @@
+"""Indexer scoring and the exact top-k kernels against torch, under Triton's interpreter
+(in a process of their own: see ``kernel_testing``).
+
+Scores are compared with a float64 reference; top-k results must be exactly
+``torch.topk``'s set (scores are random floats, so ties arise only where a case makes
+them on purpose). Outputs start poisoned (NaN scores, ``-7`` slots), so an element no
+kernel wrote shows up. Cases cover odd widths and lengths, empty rows and rows shorter
+than k, every path of the select (kept candidates in registers or in several chunks,
+and streaming the row when the threshold fails), and the temporal variant with a good,
+a stale and a useless previous selection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import interpreted_only, launcher_only, poison_allocations, relative_error, run_under_interpreter
+
+from sglang_dsv4.config import parse_config
+from sglang_dsv4.model.indexer import Indexer
+from sglang_dsv4.model.rope import Rotary
+from sglang_dsv4.tiny import TINY_CONFIG
+
+UNWRITTEN = -7
+
+
+@launcher_only
+def test_indexer_kernels_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+@pytest.fixture(scope="module")
+def indexer():
+    from sglang_dsv4.kernels import indexer
+
+    return indexer
+
+
+@pytest.fixture(scope="module")
+def topk():
+    from sglang_dsv4.kernels import topk
+
+    return topk
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """NaN floats (``new_empty`` / ``empty_like``) and ``UNWRITTEN`` ints (``torch.empty``) in every new tensor."""
+    poison_allocations(monkeypatch)
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else UNWRITTEN)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+def assert_same_sets(chosen: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    """Row by row: the chosen slots are distinct, visible, as many as ``min(k, length)`` and the top ones."""
+    assert not (chosen == UNWRITTEN).any(), "an output slot was never written"
+    for row in range(chosen.shape[0]):
+        count = min(k, int(lengths[row]))
+        picked = chosen[row, :count].long()
+        assert (chosen[row, count:] == -1).all()
+        assert len(set(picked.tolist())) == count and (picked >= 0).all() and (picked < lengths[row]).all()
+        expected = scores[row, : int(lengths[row])].topk(count).values
+        assert torch.equal(scores[row, picked].sort().values, expected.sort().values)
+
+
+# rows, heads, dim, pool rows, width, dtype, with a table
+SCORE_CASES = [(3, 32, 32, 50, 41, torch.float32, True), (4, 20, 64, 300, 257, torch.bfloat16, True)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows, heads, dim, pool_rows, width, dtype, with_table", SCORE_CASES)
+def test_scores_match_float64_reference(indexer, poisoned, rows, heads, dim, pool_rows, width, dtype, with_table):
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    weights = torch.randn(rows, heads, generator=generator)
+    keys = torch.randn(pool_rows, dim, generator=generator).to(dtype)
+    table = torch.randint(0, pool_rows, (rows, width), generator=generator, dtype=torch.int32)
+    lengths = torch.randint(1, width, (rows,), generator=generator, dtype=torch.int32)
+    lengths[0], lengths[-1] = 0, width
+
+    scores = indexer.index_scores(q, weights, keys, lengths, scale=dim**-0.5, table=table)
+
+    expected = indexer.index_scores_reference(
+        q.double(), weights.double(), keys.double(), lengths, scale=dim**-0.5, table=table
+    )
+    visible = torch.isfinite(expected)
+    assert torch.equal(torch.isneginf(scores), ~visible)
+    assert relative_error(scores[visible], expected[visible]) < 1e-5
+
+
+@interpreted_only
+def test_scores_without_a_table_read_the_pool_in_order(indexer):
+    generator = torch.Generator().manual_seed(3)
+    q, weights = torch.randn(2, 16, 32, generator=generator), torch.randn(2, 16, generator=generator)
+    keys = torch.randn(37, 32, generator=generator)
+    lengths = torch.tensor([37, 20], dtype=torch.int32)
+    in_order = torch.arange(37, dtype=torch.int32).expand(2, -1).contiguous()
+    plain = indexer.index_scores(q, weights, keys, lengths, scale=0.2)
+    assert torch.equal(plain, indexer.index_scores(q, weights, keys, lengths, scale=0.2, table=in_order))
+
+
+# rows, width, k: short rows, rows shorter than k, widths past the sample and past one keeping block
+TOPK_CASES = [(3, 50, 7), (4, 5003, 16), (2, 20011, 40), (3, 9000, 600)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows, width, k", TOPK_CASES)
+def test_top_k_is_torch_topk(topk, poisoned, rows, width, k):
+    generator = torch.Generator().manual_seed(width + k)
+    scores = torch.randn(rows, width, generator=generator)
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator, dtype=torch.int32)
+    lengths[0], lengths[-1] = width, min(k, width) - 1  # a full row and one shorter than k
+    assert_same_sets(topk.top_k(scores, lengths, k), scores, lengths, k)
+
+
+@interpreted_only
+def test_top_k_with_every_score_equal_takes_k_distinct_slots(topk, poisoned):
+    scores = torch.zeros(2, 3000)
+    lengths = torch.tensor([3000, 2999], dtype=torch.int32)
+    assert_same_sets(topk.top_k(scores, lengths, 16), scores, lengths, 16)
+
+
+@interpreted_only
+def test_top_k_with_candidates_crowded_into_one_block(topk, poisoned):
+    """Many high scores in one keeping block: the select reads its kept candidates in several chunks."""
+    generator = torch.Generator().manual_seed(5)
+    width = 300_000
+    scores = torch.randn(1, width, generator=generator)
+    scores[0, 1024 * 10 : 1024 * 10 + 200] += 6.0
+    lengths = torch.tensor([width], dtype=torch.int32)
+    assert_same_sets(topk.top_k(scores, lengths, 64), scores, lengths, 64)
+
+
+@interpreted_only
+@pytest.mark.parametrize("previous_kind", ["last step", "stale", "useless"])
+def test_temporal_top_k_is_torch_topk_whatever_the_previous_selection(topk, poisoned, previous_kind):
+    generator = torch.Generator().manual_seed(len(previous_kind))
+    rows, width, k = 3, 12001, 32
+    before = torch.randn(rows, width, generator=generator)
+    lengths = torch.tensor([width, width - 4, 30], dtype=torch.int32)
+    previous = topk.top_k_reference(before, lengths - 1, k)
+    if previous_kind == "stale":
+        previous = topk.top_k_reference(torch.randn(rows, width, generator=generator), lengths, k)
+    elif previous_kind == "useless":
+        previous = torch.full((rows, k), -1, dtype=torch.int32)
+    scores = before + 0.1 * torch.randn(rows, width, generator=generator)
+    assert_same_sets(topk.temporal_top_k(scores, lengths, k, previous), scores, lengths, k)
+
+
+@interpreted_only
+def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
+    """``select_visible`` (what the indexer runs on CUDA), with the Triton top-k forced, against ``Indexer.select``."""
+    config = parse_config(dict(TINY_CONFIG))
+    module = Indexer(config, Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn))
+    generator = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    length = 9
+    positions = torch.arange(200, 200 + length)
+    x = torch.randn(length, config.hidden_size, generator=generator)
+    q_residual = torch.randn(length, config.q_lora_rank, generator=generator)
+    state = module.compressor.new_state(torch.float32, "cpu")
+    state.entries = torch.randn(60, config.index_head_dim, generator=generator)
+    visible = torch.arange(60)[None, :] < torch.tensor([10, 14, 17, 22, 30, 41, 49, 55, 60])[:, None]
+    monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
+    monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+
+    with torch.no_grad():
+        q, head_weights = module.queries(x, q_residual, positions)
+        chosen = indexer.select_visible(
+            q, head_weights, state.entries, visible, module.topk, scale=module.head_dim**-0.5
+        )
+        expected = module.select(x, q_residual, positions, state, visible)
+    assert visible.sum(-1).max() > module.topk
+    assert torch.equal(chosen, expected)

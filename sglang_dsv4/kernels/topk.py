@@ -4,21 +4,20 @@ Three launches per call, whatever the rows' lengths (so a call can be captured i
 CUDA graph):
 
 1. a threshold per row that should sit a little below the row's k-th largest score:
-   :func:`top_k` takes it from a sample of the row (runs of adjacent scores spread over
-   it), :func:`temporal_top_k` from the scores the previous step's selection has now
-   (their minimum: at least k scores clear it by construction);
-2. one pass over the scores that keeps every score at or above the threshold, with its
-   slot, in a small per-row buffer, and counts them;
-3. per row, a verification and an exact select: when at least k and at most the
-   buffer's capacity cleared the threshold, a radix select (four 8-bit digits of the
-   scores' order-preserving integer keys) over the kept scores finds the k-th largest
-   exactly; otherwise, rarely, the same radix select streams over the whole row.
+   :func:`top_k` takes it from a sample of the row (the maxima of runs of adjacent scores
+   spread over it), :func:`temporal_top_k` from the scores the previous step's selection
+   has now (their minimum: at least k scores clear it by construction);
+2. one pass over the scores in which each block of the row copies the scores that clear
+   the threshold, with their slots, into a segment of its own and counts them;
+3. per row, a verification and an exact select: when no segment overflowed and at least
+   k scores cleared the threshold, a radix select over the kept scores (2-bit digits of
+   their order-preserving integer keys, leading digits they all share skipped) finds the
+   k-th largest exactly; otherwise, rarely, the same select streams over the whole row.
 
 Either way the result is exactly :func:`torch.topk`'s set (up to which of equal scores
-at the k-th place are taken). The cost is one read of the scores plus small terms; the
-temporal variant saves the sample and keeps fewer scores, since its threshold is tighter.
-Output: ``[rows, k]`` int32 slots, a row's ``min(k, length)`` chosen slots first in no
-particular order, then ``-1``.
+at the k-th place are taken). Output: ``[rows, k]`` int32 slots, a row's
+``min(k, length)`` chosen slots first in no particular order, then ``-1``. What each
+step costs on the H200 is in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,23 @@
-"""The main job: build the tiny checkpoint, serve it, run a multi-turn agent program, stop.
+"""The main job: build the tiny checkpoint, serve it, run a multi-turn agent program, measure its CPG, stop.
 
 ``dsv4 demo`` starts ``python -m sglang.launch_server`` with this plugin on the tiny
 DeepSeek-V4 checkpoint and drives it with SGLang's own frontend language (``sgl.function``,
-``sgl.gen``, ``fork``, ``RuntimeEndpoint``), printing each turn.
+``sgl.gen``, ``fork``, ``RuntimeEndpoint``), printing each turn; then a short ``agentperf`` run
+(under a minute) finds how many concurrent agents the server sustains and prints its table.
 """
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from pathlib import Path
 
+from .agentperf.benchmark import Configuration, Settings, measure
+from .agentperf.report import markdown_table
+from .agentperf.slo import TIERS
+from .agentperf.synthetic import synthesize
+from .agentperf.trajectory import SCALES, ToolLatency
 from .launch import running_server
 from .tiny import build_checkpoint
 
@@ -48,4 +55,27 @@ def run_demo(task: str) -> None:
             print(f"turn 2  user: Output: 2 files changed. What next?\n        agent: {state['second_command']!r}")
             for hint, command in zip(("Run the tests.", "Show the diff."), state["branches"], strict=True):
                 print(f"fork    user: {hint}\n        agent: {command!r}")
+            print("\nagentperf: concurrent agents this server sustains (one trial a level; `dsv4 agentperf` repeats")
+            print("the boundary's trials and measures longer)")
+            print(short_cpg_table(url))
         print("server stopped")
+
+
+def short_cpg_table(url: str) -> str:
+    """Under a minute of ``agentperf`` on ``url``: CPU-scale synthetic agents against the ``cpu-slo20`` tier."""
+    settings = Settings(
+        slo=TIERS["cpu-slo20"],
+        warmup_s=2.0,
+        measure_s=8.0,
+        request_timeout_s=30.0,
+        trials=1,
+        max_concurrency=8,
+        gpus=1,
+        max_seconds=50.0,
+        max_requests=5000,
+        served_history=False,
+        seed=0,
+    )
+    trajectories = synthesize(16, SCALES["cpu"], ToolLatency(), seed=0)
+    trace = "synthetic, 16 trajectories (seed 0), cpu scale"
+    return markdown_table(asyncio.run(measure([Configuration("tiny V4", url)], trajectories, settings, trace)))

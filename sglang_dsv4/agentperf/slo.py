@@ -15,11 +15,12 @@ Tiers:
 * ``slo20``, ``slo60`` (GPU, AgentPerf's speeds): 20 and 60 tokens/s per agent. AgentPerf does not publish
   its TTFT limits; ours are a p90 of 10 s at ``slo20`` (a first turn prefills up to ~131K tokens, and a
   coding agent waits on its tools for seconds anyway) and 5 s at ``slo60`` (the interactive tier).
-* ``cpu-slo20``, ``cpu-slo60`` (the tiny V4 on this CPU host, ``--scale cpu`` traces): one agent alone
-  decodes at ~50-80 tokens/s here (see ``benchmarks/RESULTS.md``); the tiers ask for 16 and 48 tokens/s,
-  the GPU tiers' speeds times 0.8, so each sits at the same fraction of what one agent gets alone as
-  AgentPerf's do of a GPU's single-stream speed (about 25 and 75 tokens/s of ~100), with TTFT p90 limits of
-  3 s and 1.5 s (an unloaded scaled first turn prefills in ~0.3 s).
+* ``cpu-slo20``, ``cpu-slo60`` (the tiny V4 served on a CPU host, with ``--scale cpu`` traces): the GPU
+  tiers times 0.4, i.e. 8 and 24 tokens/s with TTFT p90 limits of 4 s and 2 s. One agent alone decodes the
+  tiny model at ~80 tokens/s on an unloaded 2-core host (``benchmarks/NOTES.md``, served decode at batch 1),
+  against roughly 200 tokens/s for one V4 stream on a current GPU (our assumption), so each tier keeps its
+  share of what an agent gets alone. A whole scaled history (at most 1,024 tokens) prefills in ~0.3 s
+  unloaded, so the TTFT limits, like the GPU ones, bound the queueing behind other agents.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ TIERS: dict[str, Slo] = {
     for tier in (
         Slo("slo20", min_output_speed=20.0, max_ttft_s=10.0),
         Slo("slo60", min_output_speed=60.0, max_ttft_s=5.0),
-        Slo("cpu-slo20", min_output_speed=16.0, max_ttft_s=3.0),
-        Slo("cpu-slo60", min_output_speed=48.0, max_ttft_s=1.5),
+        Slo("cpu-slo20", min_output_speed=8.0, max_ttft_s=4.0),
+        Slo("cpu-slo60", min_output_speed=24.0, max_ttft_s=2.0),
     )
 }
 

@@ -7,8 +7,8 @@ Every loader returns ``Trajectory`` objects scaled by a ``TraceScale`` and with 
   ``agentic_trajectories.jsonl.gz``): each assistant message is a turn whose prompt is every message
   before it; its recorded reply is that assistant message. The harness's final ``exit`` record is not a
   message and is dropped. Scaling keeps the first ``input_fraction`` of every message's text (tool-call
-  arguments are shortened value by value, so they stay valid JSON); a reply's length is estimated at
-  4 characters a token.
+  arguments are shortened value by value, so they stay valid JSON); lengths are estimated at 4 characters
+  a token, plus 8 tokens of chat-template framing a message.
 * ``sglang`` (SGLang's ``agentic_trace`` file: ``{"metadata", "conversations": [[{"messages",
   "prompt_tokens"}, ...]]}``): each turn's ``messages`` are the new non-assistant messages; the reply is
   the server's own, of 220 tokens before scaling (SGLang's loader's default).
@@ -35,6 +35,8 @@ from .trajectory import Message, ToolLatency, TraceScale, Trajectory, Turn
 CHARS_PER_TOKEN = 4
 """Estimate for DeepSeek-style BPEs on code and English, used where a trace gives text but no token count."""
 
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+"""Role markers and tool-call framing a chat template adds to each message (DeepSeek's and the tiny one's)."""
 SGLANG_TRACE_OUTPUT_TOKENS = 220
 MOONCAKE_BLOCK_TOKENS = 512
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
@@ -57,7 +59,7 @@ def load_sessions(path: Path, scale: TraceScale, tool_latency: ToolLatency, seed
 def _session(row: dict[str, Any], scale: TraceScale, tool_latency: ToolLatency, rng: random.Random) -> Trajectory:
     pending: list[Message] = []
     turns = []
-    sent_chars = 0
+    sent_tokens = 0.0
     for message in row["messages"]:
         if message["role"] not in MESSAGE_ROLES:
             continue
@@ -65,14 +67,19 @@ def _session(row: dict[str, Any], scale: TraceScale, tool_latency: ToolLatency, 
         if message["role"] != "assistant":
             pending.append(shortened)
             continue
-        sent_chars += sum(_chars(m) for m in pending)
-        if sent_chars / CHARS_PER_TOKEN > scale.max_context_tokens:
+        sent_tokens += sum(_estimated_tokens(m) for m in pending)
+        if sent_tokens > scale.max_context_tokens:
             break
         output = scale.output_tokens(_chars(message) / CHARS_PER_TOKEN)
         turns.append(Turn(tuple(pending), output, shortened, tool_latency.draw(rng)))
-        sent_chars += _chars(shortened)
+        sent_tokens += _estimated_tokens(shortened)
         pending = []
     return Trajectory(str(row.get("id", "session")), tuple(turns))
+
+
+def _estimated_tokens(message: Message) -> float:
+    """Text at ``CHARS_PER_TOKEN``, plus the chat template's framing (which scaling does not shrink)."""
+    return _chars(message) / CHARS_PER_TOKEN + TEMPLATE_TOKENS_PER_MESSAGE
 
 
 def _chars(message: Message) -> int:

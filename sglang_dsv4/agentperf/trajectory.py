@@ -62,10 +62,11 @@ class TraceScale:
 SCALES: dict[str, TraceScale] = {
     # Traces as recorded: AgentPerf's regime (inputs up to 131K tokens, outputs to a few thousand).
     "gpu": TraceScale(input_fraction=1.0, output_fraction=1.0, max_output_tokens=16384, max_context_tokens=131072),
-    # The tiny V4 on a CPU host: 1/32 of every input (a 27K-token mean becomes ~850), a quarter of every
-    # output capped at 64 tokens (a turn decodes in about a second), histories cut at 2K tokens so a few
-    # agents fit the server's default 4,096-token pool.
-    "cpu": TraceScale(input_fraction=1 / 32, output_fraction=1 / 4, max_output_tokens=64, max_context_tokens=2048),
+    # The tiny V4 on a CPU host: 1/64 of every input (the synthetic 27K-token mean becomes ~400), a quarter
+    # of every output capped at 64 tokens (a turn decodes in about a second), histories cut at 1,024 tokens
+    # (an unloaded prefill of ~0.3 s; the server re-prefills every turn until the prefix cache lands) so a
+    # few agents fit the server's default 4,096-token pool.
+    "cpu": TraceScale(input_fraction=1 / 64, output_fraction=1 / 4, max_output_tokens=64, max_context_tokens=1024),
 }
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from .serving import SERVING_HOOKS, register_serving_hooks
 from .settings import settings
 
 logger = logging.getLogger(__name__)
@@ -30,13 +29,22 @@ _CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encod
 _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
+_REQUEST_VALIDATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_TOKENIZATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request"
+_RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
+_STATE_UPDATES = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
+)
 REQUIRED_HOOKS = (
     _UPSTREAM_V4_DEFAULTS,
     _KV_POOL_BUILDER,
     _POOL_SIZING,
     _CHAT_ENCODING,
     _INTERNAL_STATE,
-    *SERVING_HOOKS,
+    _REQUEST_VALIDATION,
+    _TOKENIZATION,
+    _RADIX_CACHE_FACTORY,
+    _STATE_UPDATES,
 )
 
 
@@ -53,7 +61,9 @@ def register() -> None:
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
-    register_serving_hooks()
+    HookRegistry.register(_REQUEST_VALIDATION, _validate_request, HookType.BEFORE)
+    HookRegistry.register(_TOKENIZATION, _refuse_input_embeds, HookType.BEFORE)
+    _register_prefix_cache()
 
 
 def require_hooks_applied() -> None:
@@ -93,20 +103,39 @@ def _register_server_arg_overrides() -> None:
 
 
 def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
-    """Our backend, token-granular pages, one token pool, no prefix sharing.
-
-    Until the prefix cache resumes requests exactly, a prefix hit could not restore the
-    window and compressor state, so the radix cache is off for V4.
-    """
+    """Our backend, token-granular pages, one token pool (the prefix cache is ours too:
+    :func:`_register_prefix_cache`)."""
     from .attention_backend.torch_reference import NAME
 
     require_hooks_applied()
-    return {
-        "attention_backend": NAME,
-        "page_size": 1,
-        "disable_radix_cache": True,
-        "disable_hybrid_swa_memory": True,
-    }
+    return {"attention_backend": NAME, "page_size": 1, "disable_hybrid_swa_memory": True}
+
+
+def _register_prefix_cache() -> None:
+    """The dsv4 radix cache: the default for V4 checkpoints, and ``--radix-cache-backend dsv4``."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+
+    from .prefix_cache.registration import build_v4_radix_cache
+
+    register_radix_cache_backend("dsv4", build_v4_radix_cache)
+    HookRegistry.register(_RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
+    HookRegistry.register(_STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
+
+
+def _default_to_v4_radix_cache(original, ctx):
+    from .memory_pool.pool import V4KVPool
+    from .prefix_cache.registration import build_v4_radix_cache
+
+    if isinstance(ctx.params.token_to_kv_pool_allocator.get_kvcache(), V4KVPool):
+        return build_v4_radix_cache(ctx)
+    return original(ctx)
+
+
+def _add_prefix_cache_updates(original, controller) -> dict:
+    """``/set_internal_state`` accepts ``dsv4_prefix_hits`` and ``dsv4_window_policy``."""
+    from .prefix_cache.registration import runtime_mode_updates
+
+    return {**original(controller), **runtime_mode_updates(controller.scheduler.tree_cache)}
 
 
 def _prefer_checkpoint_chat_template(original, *, hf_config: Any, tokenizer: Any, tool_call_parser=None):
@@ -167,7 +196,7 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
     )
     # SGLang reserves each request's compressed-entry rows before a forward and returns
     # them when it frees the request, through the request pool's auxiliary cache.
-    req_to_token_pool.attach_aux_cache(pool.block_tables)
+    req_to_token_pool.attach_aux_cache(pool.tables)
     logger.info(
         "sglang-dsv4 KV pool: %d token slots, %d request rows, %.3f GiB allocated; KV ledger:\n%s",
         sizes.max_total_num_tokens,
@@ -194,10 +223,34 @@ def _report_pool_usage(result, controller, recv_req) -> None:
             "evictable": scheduler.tree_cache.evictable_size(),
         },
         "request_rows": {
-            "total": pool.block_tables.request_rows - 1,
+            "total": pool.tables.request_rows - 1,
             "free": scheduler.req_to_token_pool.available_size(),
         },
-        "entry_rows": pool.block_tables.usage(),
+        **pool.usage(),
         "allocated_bytes": pool.allocated_bytes,
     }
+    if hasattr(scheduler.tree_cache, "modes"):
+        tree = scheduler.tree_cache
+        report = {**tree.modes(), **tree.checkpoint_report(), "rows_miscounted": tree.audit()}
+        result.internal_state["dsv4_prefix_cache"] = report
 
+
+def _validate_request(manager, obj, input_ids) -> None:
+    """Refuse, with an HTTP 400, token ids outside the vocabulary (any model: the embedding
+    lookup would raise in the scheduler process and take the server down)."""
+    vocab = manager.model_config.vocab_size
+    if input_ids and (min(input_ids) < 0 or max(input_ids) >= vocab):
+        raise ValueError(
+            f"input_ids must be in [0, {vocab}) (the vocabulary size); got min {min(input_ids)}, max {max(input_ids)}"
+        )
+
+
+def _refuse_input_embeds(manager, obj) -> None:
+    """V4's hash-routed layers pick experts by token id: input embeddings alone cannot be served
+    (checked before upstream's own input-embeds checks, whose advice does not apply to V4)."""
+    architectures = manager.model_config.hf_config.architectures or []
+    if ARCHITECTURE in architectures and getattr(obj, "input_embeds", None) is not None:
+        raise ValueError(
+            "DeepSeek-V4 routes its first MoE layers by token id (hash routing), so it needs token ids: "
+            "send input_ids or text instead of input_embeds"
+        )

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .prefix_cache import PREFIX_HITS, WINDOW_POLICIES
+
 PREFIX = "SGLANG_DSV4_PLUGIN_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
@@ -27,6 +29,15 @@ class Settings:
     # SGLANG_DSV4_PLUGIN_CPU_PLATFORM: "auto" activates the torch-native CPU platform on hosts
     # without a GPU; "off" never activates it.
     cpu_platform: str = "auto"
+    # SGLANG_DSV4_PLUGIN_PREFIX_HITS: "exact" resumes at any checkpointed token position;
+    # "aligned" only at multiples of 256 tokens, like upstream's V4 pages (the baseline).
+    prefix_hits: str = "exact"
+    # SGLANG_DSV4_PLUGIN_WINDOW_POLICY: "per_request" keeps of a finished request only the
+    # windows its checkpoints need; "all_committed" keeps every window slot it wrote (upstream).
+    window_policy: str = "per_request"
+    # SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL: in "exact" mode, also checkpoint every this many
+    # tokens along a sequence (0: only at chunk, prompt and request ends).
+    checkpoint_interval: int = 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -41,8 +52,17 @@ class Settings:
         return settings
 
     def _validate(self) -> None:
-        if self.cpu_platform not in ("auto", "off"):
-            raise SettingsError(f"{PREFIX}CPU_PLATFORM is {self.cpu_platform!r}; allowed: 'auto', 'off'")
+        allowed = {
+            "cpu_platform": ("auto", "off"),
+            "prefix_hits": PREFIX_HITS,
+            "window_policy": WINDOW_POLICIES,
+        }
+        for name, choices in allowed.items():
+            if getattr(self, name) not in choices:
+                shown = ", ".join(map(repr, choices))
+                raise SettingsError(f"{PREFIX}{name.upper()} is {getattr(self, name)!r}; allowed: {shown}")
+        if self.checkpoint_interval < 0:
+            raise SettingsError(f"{PREFIX}CHECKPOINT_INTERVAL is {self.checkpoint_interval}; allowed: 0 or more")
 
 
 def _parse(name: str, raw: str, default: Any) -> Any:
@@ -51,6 +71,11 @@ def _parse(name: str, raw: str, default: Any) -> Any:
         if value not in _TRUE | _FALSE:
             raise SettingsError(f"{name} is {raw!r}; allowed: 1/0, true/false, yes/no, on/off")
         return value in _TRUE
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise SettingsError(f"{name} is {raw!r}; allowed: an integer") from None
     return raw.strip()
 
 

@@ -43,7 +43,7 @@ def test_reference_layout_reproduces_the_published_figures(name):
     assert reference.entry_bytes == 584 and reference.indexer_key_bytes == 132
     figures = (
         reference.bytes_per_token,
-        reference.bytes_per_request / MiB,
+        reference.running_bytes_per_request / MiB,
         reference.bytes_for(131072) / GiB,
         reference.bytes_for(1048576) / GiB,
     )
@@ -73,8 +73,8 @@ def test_dsv4_ledger_totals_the_requested_contexts_in_the_requested_dtype(capsys
 def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
     config, dtype = named_config(name), KV_DTYPES[kv_dtype]
     ours = KVLedger(config, dtype).ours
-    # Row 0 of every compressed buffer and request row 0 are padding.
-    padding = sum(b.dim for b in ours.compressed_buffers()) * dtype.itemsize + ours.bytes_per_request
+    # Row 0 of every buffer and request row 0 are padding.
+    padding = ours.padding_bytes + ours.bytes_per_request
     tokens = 2 * config.hca_rate  # a whole number of blocks at every ratio
     # Two pools differing in tokens and in requests pin both figures (the system has one solution).
     for pool_tokens, requests in [(tokens, 1), (2 * tokens, 2)]:
@@ -84,7 +84,7 @@ def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
 
 def test_our_fixed_bytes_per_request_are_a_fraction_of_the_reference():
     ledger = KVLedger(named_config("flash"), torch.bfloat16)
-    assert ledger.fixed_ratio == ledger.ours.bytes_per_request / ledger.reference.bytes_per_request
+    assert ledger.fixed_ratio == ledger.ours.running_bytes_per_request / ledger.reference.running_bytes_per_request
     assert ledger.fixed_ratio < 0.5  # online compressor state instead of raw rows
 
 

@@ -14,6 +14,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+from ..memory_pool.checkpoint import Checkpoint
 from ..memory_pool.pool import V4KVPool
 from ..model.attention import Attention
 
@@ -38,20 +39,40 @@ class TorchReferenceBackend(AttentionBackend):
         if not isinstance(self.token_to_kv_pool, V4KVPool):
             raise TypeError(f"{NAME} needs the V4 KV pool, got {type(self.token_to_kv_pool).__name__}")
         self.spans: list[RequestSpan] = []
+        self.pieces: list[list[tuple[int, Checkpoint | None]]] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self.spans = request_spans(forward_batch)
+        self.pieces = [self._pieces(span) for span in self.spans]
 
     def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``."""
+        """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``.
+
+        A request's tokens run in pieces that end at its checkpoint positions, whose state
+        records are copied as the layer passes them (the network is exact under chunking).
+        """
         pool = self.token_to_kv_pool
         out = torch.empty_like(x)
-        for span in self.spans:
-            rows = slice(span.offset, span.offset + span.length)
+        for span, pieces in zip(self.spans, self.pieces, strict=True):
             state = pool.load(layer, span.request, span.start, x.dtype)
-            out[rows] = attention(x[rows], span.start, state)
-            pool.store(layer, span.request, span.start, span.start + span.length, state)
+            start = span.start
+            for piece_end, checkpoint in pieces:
+                rows = slice(span.offset + start - span.start, span.offset + piece_end - span.start)
+                out[rows] = attention(x[rows], start, state)
+                pool.store(layer, span.request, start, piece_end, state)
+                if checkpoint is not None:
+                    pool.snapshot(layer, span.request, checkpoint)
+                start = piece_end
         return out
+
+    def _pieces(self, span: RequestSpan) -> list[tuple[int, Checkpoint | None]]:
+        """Where the span's pieces end, each with the checkpoint taken there (or None)."""
+        end = span.start + span.length
+        snapshots = self.token_to_kv_pool.snapshots_between(span.request, span.start, end)
+        pieces = [(c.position, c) for c in snapshots]
+        if not pieces or pieces[-1][0] != end:
+            pieces.append((end, None))
+        return pieces
 
 
 def request_spans(forward_batch: ForwardBatch) -> list[RequestSpan]:

@@ -4,11 +4,14 @@ Three lifetimes (DESIGN.md, "Memory lifecycle"):
 
 * per token (persistent): the compressed entries of ratio-4 and ratio-128 layers and the
   indexer keys, one per complete block of ``ratio`` tokens, at rows that
-  :class:`~.block_tables.BlockTables` hands out (any page size works);
-* per request (transient): the sliding window, a ring of ``sliding_window`` raw KV rows
-  per layer, indexed by the request's ``req_pool_idx`` — nothing behind the window is
-  ever kept, so the window costs the same whatever the context length;
-* per request (compressor state): the online partial-block pools, float32.
+  :class:`~.request_tables.RequestTables` hands out (any page size works);
+* per request (transient): window slots, one per token holding its raw KV in every
+  layer — a running request holds its last ``sliding_window + 1`` tokens' slots
+  (the one extra covers SGLang's one-step scheduling lag), whatever its length;
+* per request (compressor state): the online partial-block pools, float32, twice (the
+  state after the last forward and the one before it, for the same lag);
+* checkpoints (``CHECKPOINTS_PER_REQUEST_ROW`` per request row): a window of slots and
+  one state record each, what the prefix cache resumes requests from.
 
 The pool (:mod:`.pool`) allocates exactly these buffers, and the KV ledger reads its
 figures from here, so the number a user reads is the number the server uses.
@@ -27,6 +30,11 @@ STATE_DTYPE = torch.float32
 # block's two halves and the previous block's first half; a ratio-128 one its current block.
 OVERLAPPING_POOLS, DISJOINT_POOLS = 3, 1
 POOL_FIELDS = 3  # running max, denominator, weighted sum
+# Checkpoints the pool holds room for, per request row: enough for every running request's
+# prompt-end and request-end checkpoints and the tree's sessions between them.
+CHECKPOINTS_PER_REQUEST_ROW = 2
+# State records per request row: after the last forward, and before it.
+RECORDS_PER_REQUEST_ROW = 2
 
 
 @dataclass(frozen=True)
@@ -90,24 +98,54 @@ class PoolLayout:
         return sum(b.dim * self.kv_bytes / b.ratio for b in self.compressed_buffers())
 
     @property
-    def window_bytes_per_request(self) -> int:
-        config = self.config
-        return config.num_layers * config.sliding_window * config.head_dim * self.kv_bytes
+    def window_slot_bytes(self) -> int:
+        """One token's raw KV in every layer."""
+        return self.config.num_layers * self.config.head_dim * self.kv_bytes
 
     @property
-    def state_bytes_per_request(self) -> int:
+    def window_slots_per_request(self) -> int:
+        """A running request's window plus one, and its share of checkpoint windows."""
+        window = self.config.sliding_window
+        return window + 1 + CHECKPOINTS_PER_REQUEST_ROW * window
+
+    @property
+    def record_bytes(self) -> int:
+        """One compressor-state record: every layer's online pools."""
         return sum(b.floats for b in self.state_buffers()) * STATE_DTYPE.itemsize
 
     @property
-    def bytes_per_request(self) -> int:
-        """Fixed bytes per running request: the window rings and the compressor states."""
+    def window_bytes_per_request(self) -> int:
+        """A running request's window slots: the window and one more token."""
+        return (self.config.sliding_window + 1) * self.window_slot_bytes
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """A running request's compressor-state records (after its last forward, and before)."""
+        return RECORDS_PER_REQUEST_ROW * self.record_bytes
+
+    @property
+    def running_bytes_per_request(self) -> int:
+        """What one running request holds whatever its length."""
         return self.window_bytes_per_request + self.state_bytes_per_request
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint whose window shares no slot with another: a window and a record."""
+        return self.config.sliding_window * self.window_slot_bytes + self.record_bytes
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Fixed bytes per request row: a running request's, and its share of checkpoints."""
+        return self.running_bytes_per_request + CHECKPOINTS_PER_REQUEST_ROW * self.checkpoint_bytes
+
+    @property
     def padding_bytes(self) -> int:
-        """One padding row per compressed buffer (row 0, where unused table cells point)."""
-        return sum(b.dim * self.kv_bytes for b in self.compressed_buffers())
+        """Row 0 of every compressed buffer, window slot 0 and checkpoint record 0: padding,
+        where unused table cells point."""
+        return (
+            sum(b.dim * self.kv_bytes for b in self.compressed_buffers()) + self.window_slot_bytes + self.record_bytes
+        )
 
     def bytes_for(self, context: int) -> float:
-        """Bytes one request holds at ``context`` tokens."""
-        return self.bytes_per_token * context + self.bytes_per_request
+        """Bytes one running request holds at ``context`` tokens."""
+        return self.bytes_per_token * context + self.running_bytes_per_request

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DeepseekV4Config, load_config, named_config, parse_config
-from .layout import PoolLayout
+from .layout import CHECKPOINTS_PER_REQUEST_ROW, PoolLayout
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_CONTEXTS = (131072, 1048576)
@@ -99,12 +99,12 @@ class ReferenceLayout:
         return floats * REFERENCE_STATE_BYTES
 
     @property
-    def bytes_per_request(self) -> int:
+    def running_bytes_per_request(self) -> int:
         """Fixed bytes per running request: every layer's window and the compressor states."""
         return self.window_bytes_per_request + self.state_bytes_per_request
 
     def bytes_for(self, context: int) -> float:
-        return self.bytes_per_token * context + self.bytes_per_request
+        return self.bytes_per_token * context + self.running_bytes_per_request
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,8 @@ class KVLedger:
 
     @property
     def fixed_ratio(self) -> float:
-        """Our fixed bytes per request over the reference's."""
-        return self.ours.bytes_per_request / self.reference.bytes_per_request
+        """Our fixed bytes per running request over the reference's."""
+        return self.ours.running_bytes_per_request / self.reference.running_bytes_per_request
 
     def table(self, contexts: Sequence[int] = DEFAULT_CONTEXTS, title: str = "DeepSeek-V4") -> str:
         """The two layouts side by side: per token, fixed per request, total per context length."""
@@ -135,10 +135,11 @@ class KVLedger:
         rows = [
             ("", "reference", f"ours ({dtype_name})"),
             ("bytes per token", *(f"{layout.bytes_per_token:,.0f} B" for layout in (reference, ours))),
-            ("fixed bytes per request", *(_mib(layout.bytes_per_request) for layout in (reference, ours))),
+            ("fixed bytes per request", *(_mib(layout.running_bytes_per_request) for layout in (reference, ours))),
             ("  sliding window", *(_mib(layout.window_bytes_per_request) for layout in (reference, ours))),
             ("  compressor state", *(_mib(layout.state_bytes_per_request) for layout in (reference, ours))),
             ("fixed per request / reference", "1", _three_digits(self.fixed_ratio)),
+            ("one checkpoint (window + state)", "-", _mib(ours.checkpoint_bytes)),
             *(
                 (f"total at {context:,} tokens", _gib(reference.bytes_for(context)), _gib(ours.bytes_for(context)))
                 for context in contexts
@@ -154,8 +155,9 @@ class KVLedger:
             f" ({reference.indexer_key_bytes} B), compressor state as raw float32 rows"
         )
         ours_note = (
-            f"ours: KV entries and indexer keys in {dtype_name}, window as a per-request ring,"
-            " compressor state as float32 online pools (what the server allocates)"
+            f"ours: KV entries and indexer keys in {dtype_name}, window slots per token (a running request"
+            " holds window + 1), compressor state as float32 online pools; the server also allocates"
+            f" {CHECKPOINTS_PER_REQUEST_ROW} checkpoints per request row for the prefix cache"
         )
         lines = [heading, *_aligned(rows), reference_note, ours_note]
         return "\n".join(lines)

@@ -76,6 +76,7 @@ class Attention(nn.Module):
             keys = torch.cat([keys, entries])
             visible = torch.cat([visible, entry_visible], dim=1)
         state.window = keys[: key_positions.shape[0]][-self.window :]
+        state.added = kv
 
         if q.is_cuda:  # the Triton kernel: both pools, the sink and the inverse rope in one pass
             from ..kernels.attention import attend_visible

@@ -25,6 +25,9 @@ class LayerState:
     window: torch.Tensor
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    # The raw KV of the tokens the last forward added (the pool stores every one of them;
+    # the window keeps only the last ``sliding_window``).
+    added: torch.Tensor | None = None
 
     def clone(self) -> LayerState:
         return LayerState(

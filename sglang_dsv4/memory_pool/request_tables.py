@@ -1,0 +1,179 @@
+"""Where each running request's window rows and compressed entries are.
+
+Per request row (SGLang's ``req_pool_idx``) two tables map positions to pool rows: the
+window table maps a token position to the window slot holding that token's raw KV (in
+every layer), an entry table per compression ratio maps a block index to the row
+holding its compressed entry (and indexer key). Rows are shared by reference count
+(:class:`~.shared_rows.SharedRows`), so a request resumed from a checkpoint points at
+the checkpoint's rows instead of copying them.
+
+SGLang drives the tables as the auxiliary cache of its request-to-token pool: rows are
+reserved before every forward up to the request's new length (``alloc_to_lengths``)
+and returned when SGLang frees the request's row (``free``), on every path it frees
+requests. A row is bound to a request (fresh, or resumed from a checkpoint) by the
+prefix cache when SGLang allocates it; see :mod:`sglang_dsv4.prefix_cache.tree`.
+
+Window policy: ``per_request`` keeps only the slots a forward or a checkpoint can still
+read (the last window plus one token, SGLang's one-step scheduling lag, and the window
+behind each snapshot position); ``all_committed`` keeps every slot the request wrote
+until it is freed, so its final checkpoint commits them all (upstream's behaviour).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .shared_rows import SharedRows
+
+
+class UnboundRequestRow(RuntimeError):
+    """A forward for a row no request was bound to: the dsv4 radix cache is not in use."""
+
+
+class RequestTables:
+    def __init__(
+        self,
+        ratios: list[int],
+        request_rows: int,
+        max_context: int,
+        window: int,
+        window_slots: SharedRows,
+        entry_rows: dict[int, SharedRows],
+        num_tokens: int,
+    ):
+        self.ratios = sorted(set(ratios))
+        self.request_rows = request_rows
+        self.window = window
+        self.window_slots = window_slots
+        self.entry_rows = entry_rows
+        self.num_tokens = num_tokens
+        self.window_table = torch.zeros(request_rows, max_context + 1, dtype=torch.int64)
+        self.entry_table = {r: torch.zeros(request_rows, max_context // r + 1, dtype=torch.int64) for r in self.ratios}
+        self.entry_count = {r: [0] * request_rows for r in self.ratios}
+        self.position = [0] * request_rows  # tokens the row's state has run through
+        self.last_step = [0] * request_rows  # tokens of the row's last forward
+        self.held_from = [0] * request_rows  # window slots below this position are released
+        self.bound = [False] * request_rows
+        self.window_policy = "per_request"
+        # Snapshot positions of a forward of tokens start .. end - 1 (set by the pool).
+        self.snapshot_positions: Callable[[int, int], list[int]] = lambda start, end: []
+        # Called when a row's forward is reserved, with the snapshot positions it covers.
+        self.on_reserve: Callable[[int, list[int]], None] = lambda row, positions: None
+        self.on_free: Callable[[int], None] = lambda row: None
+
+    @property
+    def dense_capacity(self) -> int:
+        """Tokens the scheduler may place: the token pool's, which the entry rows cover."""
+        return self.num_tokens
+
+    # --- binding a row to a request --------------------------------------------------------
+
+    def bind(self, row: int, position: int = 0, window: torch.Tensor | None = None, entries=None) -> None:
+        """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before
+        ``position``) and entry rows ``entries`` are shared, not copied."""
+        if self.bound[row]:
+            raise AssertionError(f"request row {row} is bound twice")
+        self.bound[row] = True
+        self.position[row] = position
+        self.last_step[row] = 0
+        if window is not None and len(window):
+            self.window_slots.share(window)
+            self.window_table[row, position - len(window) : position] = window
+        self.held_from[row] = position - (0 if window is None else len(window))
+        for ratio in self.ratios:
+            rows = entries[ratio] if entries else torch.zeros(0, dtype=torch.int64)
+            self.entry_rows[ratio].share(rows)
+            self.entry_table[ratio][row, : len(rows)] = rows
+            self.entry_count[ratio][row] = len(rows)
+
+    def reserve(self, row: int, target: int) -> None:
+        """Rows for a forward from the row's position up to ``target`` tokens."""
+        if not self.bound[row]:
+            raise UnboundRequestRow(
+                f"request row {row} runs a forward without a bound request: DeepSeek-V4 needs the dsv4 radix "
+                "cache (leave --radix-cache-backend unset or set it to dsv4)"
+            )
+        start = self.position[row]
+        if target <= start:
+            return
+        if self.window_policy == "per_request":
+            self.trim(row, start - self.window - 1)
+        snapshots = self.snapshot_positions(start, target)
+        self._reserve_window(row, start, target, snapshots)
+        for ratio in self.ratios:
+            have, need = self.entry_count[ratio][row], target // ratio
+            if need > have:
+                self.entry_table[ratio][row, have:need] = self.entry_rows[ratio].alloc(need - have)
+                self.entry_count[ratio][row] = need
+        self.position[row], self.last_step[row] = target, target - start
+        self.on_reserve(row, snapshots)
+
+    def _reserve_window(self, row: int, start: int, target: int, snapshots: list[int]) -> None:
+        if self.window_policy == "all_committed":
+            needed = torch.arange(start, target)
+        else:  # what the next forward, a lagging checkpoint and the snapshots read
+            spans = [(target - self.window - 1, target)] + [(p - self.window, p) for p in snapshots]
+            needed = torch.unique(torch.cat([torch.arange(max(start, a), b) for a, b in spans]))
+        self.window_table[row, needed] = self.window_slots.alloc(len(needed))
+
+    def trim(self, row: int, keep_from: int) -> None:
+        """Release the row's window slots below position ``keep_from``."""
+        if keep_from <= self.held_from[row]:
+            return
+        held = self.window_table[row, self.held_from[row] : keep_from]
+        self.window_slots.release(held)
+        held.zero_()
+        self.held_from[row] = keep_from
+
+    def trim_all(self) -> bool:
+        """Under window-slot pressure: every row keeps only what ``per_request`` keeps."""
+        released = self.window_slots.free
+        for row in range(self.request_rows):
+            if self.bound[row]:
+                self.trim(row, self.position[row] - self.window - 1)
+        return self.window_slots.free > released
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def window_rows(self, row: int, first: int, last: int) -> torch.Tensor:
+        return self.window_table[row, first:last]
+
+    def entries(self, row: int, ratio: int, first: int, last: int) -> torch.Tensor:
+        return self.entry_table[ratio][row, first:last]
+
+    def window_suffix(self, row: int, position: int, limit: int) -> torch.Tensor:
+        """The slots of the unbroken run of held positions ending at ``position`` (at most ``limit``)."""
+        slots = self.window_table[row, max(position - limit, self.held_from[row], 0) : position]
+        gaps = (slots == 0).nonzero()
+        return slots[int(gaps[-1]) + 1 :].clone() if len(gaps) else slots.clone()
+
+    # --- SGLang's auxiliary-cache interface ------------------------------------------------
+
+    def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
+        """Before a forward. Rows not bound yet are bound (and reserved) by the prefix cache."""
+        for row, length in zip(req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist(), strict=True):
+            if self.bound[row]:
+                self.reserve(row, int(length))
+
+    def free(self, row: int) -> None:
+        if not self.bound[row]:
+            return
+        self.on_free(row)
+        self.window_slots.release(self.window_table[row, self.held_from[row] : self.position[row]])
+        self.window_table[row].zero_()
+        for ratio in self.ratios:
+            count = self.entry_count[ratio][row]
+            self.entry_rows[ratio].release(self.entry_table[ratio][row, :count])
+            self.entry_table[ratio][row, :count] = 0
+            self.entry_count[ratio][row] = 0
+        self.bound[row] = False
+        self.position[row] = self.held_from[row] = self.last_step[row] = 0
+
+    def clear(self) -> None:
+        for row in range(self.request_rows):
+            self.free(row)
+
+    def reset_allocator(self) -> None:
+        self.clear()

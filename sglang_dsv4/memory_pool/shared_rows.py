@@ -1,0 +1,65 @@
+"""Rows of a pool buffer handed out with reference counts.
+
+A row (a window slot, a compressed entry, a checkpoint's state record) is written once
+and then only read, so a running request, its checkpoints and the requests resumed from
+them share it by counting references; it returns to the free list when the last one
+lets go. Row 0 is padding: never handed out, the value unused table cells point at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """No free row even after reclaiming what the prefix cache could give back."""
+
+
+class SharedRows:
+    def __init__(self, capacity: int, name: str):
+        self.capacity = capacity
+        self.name = name
+        self.refs = torch.zeros(capacity + 1, dtype=torch.int32)
+        self.free_list: list[int] = []
+        # Called when rows run short; frees something (a checkpoint) and says whether it could.
+        self.reclaim: Callable[[], bool] | None = None
+        self.clear()
+
+    @property
+    def free(self) -> int:
+        return len(self.free_list)
+
+    def alloc(self, count: int) -> torch.Tensor:
+        """``count`` fresh rows, each with one reference."""
+        while count > len(self.free_list):
+            if self.reclaim is None or not self.reclaim():
+                raise PoolExhausted(f"{self.name}: {count} rows wanted, {self.free} free of {self.capacity}")
+        if count == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        rows = torch.tensor(self.free_list[-count:], dtype=torch.int64)
+        del self.free_list[-count:]
+        self.refs[rows] = 1
+        return rows
+
+    def share(self, rows: torch.Tensor) -> None:
+        rows = rows[rows > 0]
+        if (self.refs[rows] <= 0).any():
+            raise AssertionError(f"{self.name}: sharing a free row")
+        self.refs.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+
+    def release(self, rows: torch.Tensor) -> None:
+        rows = rows[rows > 0]
+        self.refs.index_add_(0, rows, torch.full_like(rows, -1, dtype=torch.int32))
+        if (self.refs[rows] < 0).any():
+            raise AssertionError(f"{self.name}: row released more often than it was shared")
+        rows = torch.unique(rows)
+        self.free_list.extend(rows[self.refs[rows] == 0].tolist())
+
+    def clear(self) -> None:
+        self.refs.zero_()
+        self.free_list = list(range(self.capacity, 0, -1))
+
+    def usage(self) -> dict[str, int]:
+        return {"total": self.capacity, "free": self.free}

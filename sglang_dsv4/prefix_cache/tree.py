@@ -1,0 +1,241 @@
+"""The V4 radix cache: SGLang's radix tree of token slots, with checkpoints at token positions.
+
+SGLang's :class:`RadixCache` keeps the token slots of every cached prefix and is driven
+by the scheduler as usual (match, lock, checkpoint, evict). A V4 request cannot resume
+from token slots alone: it needs the window and compressor state at the resume point.
+So nodes carry :class:`~sglang_dsv4.memory_pool.checkpoint.Checkpoint` s at their ends,
+and a match is cut back to the deepest node that has one; the request then resumes
+there exactly and prefills the rest.
+
+Where checkpoints come from (``prefix_hits``):
+
+* ``exact`` (default): at every ``checkpoint`` call SGLang makes — the end of each
+  prefill chunk, of the prompt, and of the finished request (prompt and output, which
+  the next agentic turn begins with) — one token before the end of each prefill (a
+  retry of the same prompt matches all but its last token), and every
+  ``checkpoint_interval`` tokens inside forwards;
+* ``aligned``: only every 256 tokens, the whole pages upstream SGLang reuses.
+
+Checkpoints share their rows with requests by reference count, so evicting one never
+breaks a running request; one on a locked node (a request between its match and its
+allocation) is never evicted. Under row pressure the pool asks for the least recently
+used checkpoint back (:meth:`V4RadixCache.evict_one_checkpoint`) before any persistent
+KV goes: SGLang evicts token slots (and the checkpoints of the leaves it drops) only
+when it needs tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from ..memory_pool.checkpoint import Checkpoint
+from ..memory_pool.pool import V4KVPool
+from . import PREFIX_HITS, WINDOW_POLICIES
+
+ALIGNED_PAGE = 256  # upstream's V4 page: it reuses prefixes in multiples of it
+
+
+class V4RadixCache(RadixCache):
+    def __init__(
+        self,
+        params: CacheInitParams,
+        pool: V4KVPool,
+        *,
+        prefix_hits: str,
+        window_policy: str,
+        checkpoint_interval: int,
+    ):
+        self.pool = pool
+        self.checkpoints: dict[TreeNode, Checkpoint] = {}
+        self.checkpoint_interval = checkpoint_interval
+        super().__init__(params)
+        self.prefix_hits = prefix_hits
+        self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
+        pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens)
+
+    # --- modes ------------------------------------------------------------------------------
+
+    def set_modes(self, *, prefix_hits: str | None = None, window_policy: str | None = None) -> None:
+        """Switch where hits may land and what finished requests keep (takes effect at once)."""
+        check_modes(prefix_hits=prefix_hits, window_policy=window_policy)
+        if prefix_hits is not None:
+            self.prefix_hits = prefix_hits
+        if window_policy is not None:
+            self.pool.tables.window_policy = window_policy
+        exact = self.prefix_hits == "exact"
+        self.pool.snapshot_interval = 0 if self.disable else (self.checkpoint_interval if exact else ALIGNED_PAGE)
+        self.pool.snapshot_before_extend_end = exact and not self.disable
+
+    def modes(self) -> dict[str, object]:
+        return {
+            "prefix_hits": self.prefix_hits,
+            "window_policy": self.pool.tables.window_policy,
+            "checkpoint_interval": self.pool.snapshot_interval,
+        }
+
+    # --- SGLang's calls -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        for checkpoint in self.checkpoints.values():
+            self.pool.release(checkpoint)
+        self.checkpoints.clear()
+        if hasattr(self, "root_node"):
+            self.pool.release_slots(self.all_values_flatten() if self.root_node.children else torch.zeros(0))
+        super().reset()
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The longest cached prefix of the key that ends at a usable checkpoint."""
+        key = params.key
+        if self.disable or len(key) == 0:
+            return self._empty_match_result
+        _, node = self._match_prefix_helper(self.root_node, key)
+        while node is not self.root_node and not self._resumable(node):
+            node = node.parent
+        if node is not self.root_node:
+            self.checkpoints[node].touch()
+        length = self._depth(node)
+        return MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node, best_match_node=node)
+
+    def checkpoint(self, req, *, up_to: int) -> None:
+        """Insert the request's tokens up to ``up_to`` and attach its checkpoints to the tree."""
+        if self.disable:
+            return
+        row, protected = req.kv.req_pool_idx, req.kv.cache_protected_len
+        radix_key, _, existing = self._insert_cache(req, req.full_untruncated_fill_ids[:up_to], split_prompt=True)
+        _, node = self._match_prefix_helper(self.root_node, radix_key)
+        tree_slots = self.path_device_indices(node)
+        # The row now reads the tree's slots; its own copies of them were freed by the insert,
+        # and so go its entries of blocks the tree already had.
+        self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
+        self.pool.adopt_entries(row, tree_slots, protected, max(existing, protected))
+        self.pool.commit_entries(row, tree_slots, max(existing, protected), len(tree_slots))
+        req.kv.cache_protected_len = len(tree_slots)
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+        for snapshot in self.pool.take_snapshots(row, up_to):
+            self._attach(radix_key, snapshot)
+        if self.prefix_hits == "exact":
+            live = self.pool.checkpoint(row, up_to)
+            if live is not None:
+                self._attach(radix_key, live)
+
+    def maybe_hand_to_session(self, req) -> None:
+        """Right after SGLang gives a request its row: bind the row, resuming at the match."""
+        row = req.kv.req_pool_idx
+        if self.pool.tables.bound[row]:
+            return  # a later chunk of a running request
+        if req.prefix_len > 0:
+            checkpoint = self.checkpoints.get(req.last_node)
+            if checkpoint is None or checkpoint.position != req.prefix_len:
+                raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
+            self.pool.resume(row, checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
+        else:
+            self.pool.start(row)
+        self.pool.tables.reserve(row, req.kv.kv_allocated_len)
+
+    def evict_one_checkpoint(self) -> bool:
+        """Release the least recently used checkpoint that no request is about to resume from."""
+        candidates = [(c.last_used, id(n), n) for n, c in self.checkpoints.items() if not _anchored(n)]
+        if not candidates:
+            return False
+        _, _, node = min(candidates)
+        self.pool.release(self.checkpoints.pop(node))
+        return True
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        checkpoint = self.checkpoints.pop(node, None)
+        if checkpoint is not None:
+            self.pool.release(checkpoint)
+        self.pool.release_slots(node.value)
+        super()._delete_leaf(node)
+
+    def _evict_some_tokens(self) -> bool:
+        """Entry rows ran short: evict least recently used cached tokens (a page's worth)."""
+        return self.evict(EvictParams(num_tokens=ALIGNED_PAGE)).num_tokens_evicted > 0
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _resumable(self, node: TreeNode) -> bool:
+        checkpoint = self.checkpoints.get(node)
+        if checkpoint is None:
+            return False
+        return self.prefix_hits == "exact" or checkpoint.position % ALIGNED_PAGE == 0
+
+    def _depth(self, node: TreeNode) -> int:
+        length = 0
+        while node is not self.root_node:
+            length += len(node.key)
+            node = node.parent
+        return length
+
+    def _attach(self, radix_key: RadixKey, checkpoint: Checkpoint) -> None:
+        """Hang ``checkpoint`` on the node ending at its position (splitting one if needed)."""
+        _, node = self._match_prefix_helper(self.root_node, radix_key[: checkpoint.position])
+        if node is self.root_node or self._depth(node) != checkpoint.position or node in self.checkpoints:
+            self.pool.release(checkpoint)  # the position is already covered (or not in the tree)
+            if node in self.checkpoints:
+                self.checkpoints[node].touch()
+            return
+        self.checkpoints[node] = checkpoint
+
+    def checkpoint_report(self) -> dict[str, int]:
+        """Checkpoints held and the window bytes they keep (slots shared between them counted once)."""
+        windows = [c.window for c in self.checkpoints.values()]
+        slots = int(torch.unique(torch.cat(windows)).numel()) if windows else 0
+        return {
+            "checkpoints": len(self.checkpoints),
+            "checkpoint_window_bytes": slots * self.pool.layout.window_slot_bytes,
+        }
+
+    def audit(self) -> dict[str, int]:
+        """Rows whose reference count differs from what the rows, checkpoints and pending
+        snapshots hold, per kind of row (all zero when nothing leaked or was freed twice)."""
+        pool, tables = self.pool, self.pool.tables
+        expected = {"window_slots": [], "checkpoint_records": [], **{f"ratio_{r}_entries": [] for r in pool.entry_rows}}
+        holders = [*self.checkpoints.values(), *(c for pending in pool.pending.values() for c in pending)]
+        for checkpoint in holders:
+            expected["window_slots"].append(checkpoint.window)
+            expected["checkpoint_records"].append(torch.tensor([checkpoint.record]))
+        for ratio, of_slot in pool.entry_of_slot.items():
+            expected[f"ratio_{ratio}_entries"].append(of_slot)
+        for row in range(tables.request_rows):
+            if tables.bound[row]:
+                expected["window_slots"].append(tables.window_table[row, tables.held_from[row] : tables.position[row]])
+                for ratio in tables.ratios:
+                    count = tables.entry_count[ratio][row]
+                    expected[f"ratio_{ratio}_entries"].append(tables.entries(row, ratio, 0, count))
+        shared = {"window_slots": pool.window_slots, "checkpoint_records": pool.records}
+        shared.update({f"ratio_{r}_entries": rows for r, rows in pool.entry_rows.items()})
+        report = {}
+        for name, rows in shared.items():
+            counts = torch.zeros_like(rows.refs)
+            held = torch.cat(expected[name]) if expected[name] else torch.zeros(0, dtype=torch.int64)
+            held = held[held > 0]
+            counts.index_add_(0, held, torch.ones_like(held, dtype=torch.int32))
+            free = torch.zeros_like(rows.refs, dtype=torch.bool)
+            free[torch.tensor(rows.free_list, dtype=torch.int64)] = True
+            wrong = (counts != rows.refs) | (free != (rows.refs == 0))
+            wrong[0] = False
+            report[name] = int(wrong.sum())
+        return report
+
+
+def check_modes(*, prefix_hits: str | None = None, window_policy: str | None = None) -> None:
+    """Raise ``ValueError`` naming the mode and what is allowed, for a value that is not one."""
+    for name, value, allowed in (
+        ("prefix_hits", prefix_hits, PREFIX_HITS),
+        ("window_policy", window_policy, WINDOW_POLICIES),
+    ):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} is {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _anchored(node: TreeNode) -> bool:
+    """Whether a request holds its lock on this very node (not only through a descendant):
+    one admitted to resume here and not yet bound, or one that checkpointed here."""
+    return node.lock_ref > sum(child.lock_ref for child in node.children.values())

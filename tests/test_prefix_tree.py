@@ -1,0 +1,187 @@
+"""The V4 radix cache alone, driven the way SGLang's scheduler drives it, randomized.
+
+No forwards run: requests advance through the pool's tables (which is all the tree and
+the reference counts see), so thousands of operations take seconds. After every step
+the tree is checked against a plain model: reference counts exact (no row leaked or
+freed twice), every checkpoint on a live node at its own depth, token slots adding up,
+and every match equal to the brute-force longest checkpointed prefix.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.prefix_cache.tree import ALIGNED_PAGE, V4RadixCache
+
+TOKENS, ROWS, CONTEXT = 3000, 6, 1400
+
+
+@dataclass
+class RowRecord:
+    """The part of SGLang's per-request KV record the tree reads and writes."""
+
+    req_pool_idx: int = 0
+    cache_protected_len: int = 0
+    cache_inserted_len: int = 0
+    kv_allocated_len: int = 0
+
+
+@dataclass
+class Request:
+    """The fields of SGLang's ``Req`` the tree uses (the server tests run the real one)."""
+
+    rid: int
+    full_untruncated_fill_ids: array
+    origin_input_ids: array
+    prefix_len: int = 0
+    last_node: object = None
+    lock: object = None
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv: RowRecord = field(default_factory=RowRecord)
+
+
+class Scheduler:
+    """Admission, decode steps, finish and abort, in SGLang's order of tree calls."""
+
+    def __init__(self, config, rng: random.Random):
+        self.rng = rng
+        self.pool = V4KVPool(TOKENS, 1, config, torch.float32, max_requests=ROWS, max_context=CONTEXT, device="cpu")
+        self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", enable_memory_saver=False)
+        self.rows.attach_aux_cache(self.pool.tables)
+        self.slots = TokenToKVPoolAllocator(TOKENS, torch.float32, "cpu", self.pool, need_sort=False)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.slots, page_size=1
+        )
+        self.tree = V4RadixCache(
+            params, self.pool, prefix_hits="exact", window_policy="per_request", checkpoint_interval=96
+        )
+        self.running: list[Request] = []
+        self.sequences: list[list[int]] = [[]]
+        self.count = 0
+
+    def admit(self) -> None:
+        if not self.rows.available_size():
+            return
+        base = self.rng.choice(self.sequences)
+        keep = self.rng.randrange(len(base) + 1)
+        tokens = base[:keep] + [self.rng.randrange(4) for _ in range(self.rng.randrange(2, 300))]
+        tokens = tokens[: CONTEXT - 40]
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:-1]))))
+        self.count += 1
+        # The prompt and the token its prefill samples (which gets its KV in the next step).
+        fill = array("q", tokens + [0])
+        req = Request(self.count, fill, array("q", tokens), match.device_prefix_len, match.last_device_node)
+        req.lock = self.tree.lock(req.last_node)
+        if not self._make_room(len(tokens) - req.prefix_len):
+            self.tree.unlock(req.lock)
+            return
+        row = self.rows.alloc_rows(1)[0]
+        req.kv.req_pool_idx = row
+        self.rows.req_to_token[row, : req.prefix_len] = self.tree.prefix_device_indices(req).to(torch.int32)
+        self.rows.req_to_token[row, req.prefix_len : len(tokens)] = self.slots.alloc(len(tokens) - req.prefix_len).to(
+            torch.int32
+        )
+        req.kv.cache_protected_len = req.prefix_len
+        req.kv.kv_allocated_len = len(tokens)
+        self.tree.maybe_hand_to_session(req)
+        self.tree.checkpoint(req, up_to=len(tokens))  # the prompt's end
+        self.running.append(req)
+
+    def decode(self) -> None:
+        if not self.running:
+            return
+        req = self.rng.choice(self.running)
+        if req.kv.kv_allocated_len >= CONTEXT - 1 or not self._make_room(1):
+            return
+        row, length = req.kv.req_pool_idx, req.kv.kv_allocated_len
+        self.rows.req_to_token[row, length] = int(self.slots.alloc(1)[0])
+        self.rows.alloc_aux_to_lengths(
+            req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
+        )
+        req.kv.kv_allocated_len = length + 1
+        req.full_untruncated_fill_ids.append(self.rng.randrange(4))
+
+    def finish(self, checkpoint: bool) -> None:
+        if not self.running:
+            return
+        req = self.running.pop(self.rng.randrange(len(self.running)))
+        owned = len(req.full_untruncated_fill_ids) - 1  # the last sampled token has no KV yet
+        assert owned == req.kv.kv_allocated_len
+        if checkpoint:
+            self.tree.checkpoint(req, up_to=owned)
+            self.sequences.append(list(req.full_untruncated_fill_ids[:owned]))
+        row = self.rows.req_to_token[req.kv.req_pool_idx]
+        self.slots.free(row[req.kv.cache_protected_len : req.kv.kv_allocated_len].to(torch.int64))
+        self.tree.unlock(req.lock)
+        self.rows.free_rows([req.kv.req_pool_idx])
+
+    def _make_room(self, count: int) -> bool:
+        if self.slots.available_size() < count:
+            self.tree.evict(EvictParams(num_tokens=count - self.slots.available_size()))
+        return self.slots.available_size() >= count
+
+
+def checkpoint_prefixes(tree: V4RadixCache) -> dict[tuple[int, ...], object]:
+    """Every checkpoint's token prefix, read off the tree's nodes."""
+    prefixes, stack = {}, [(tree.root_node, ())]
+    while stack:
+        node, prefix = stack.pop()
+        if node in tree.checkpoints:
+            prefixes[prefix] = node
+        for child in node.children.values():
+            stack.append((child, prefix + tuple(child.key.token_ids[: len(child.key)])))
+    return prefixes
+
+
+def check(scheduler: Scheduler) -> None:
+    tree, slots = scheduler.tree, scheduler.slots
+    assert set(tree.audit().values()) == {0}
+    prefixes = checkpoint_prefixes(tree)
+    assert len(prefixes) == len(tree.checkpoints)  # no checkpoint on a detached node
+    for prefix, node in prefixes.items():
+        assert tree.checkpoints[node].position == len(prefix)
+    owned = sum(r.kv.kv_allocated_len - r.kv.cache_protected_len for r in scheduler.running)
+    assert slots.available_size() + tree.evictable_size() + tree.protected_size() + owned == TOKENS
+    query = scheduler.rng.choice(scheduler.sequences)[: scheduler.rng.randrange(1, CONTEXT)]
+    aligned = tree.prefix_hits == "aligned"
+    usable = [len(p) for p in prefixes if len(p) <= len(query) and (not aligned or len(p) % ALIGNED_PAGE == 0)]
+    expected = max([n for n in usable if tuple(query[:n]) in prefixes] + [0])
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query)))).device_prefix_len == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed):
+    rng = random.Random(seed)
+    scheduler = Scheduler(tiny_model.config, rng)
+    operations = [
+        (scheduler.admit, 6),
+        (scheduler.decode, 30),
+        (lambda: scheduler.finish(checkpoint=True), 5),
+        (lambda: scheduler.finish(checkpoint=False), 1),  # an abort: nothing goes into the tree
+        (lambda: scheduler.tree.evict(EvictParams(num_tokens=rng.randrange(1, 400))), 2),
+        (scheduler.tree.evict_one_checkpoint, 2),
+        (lambda: scheduler.tree.set_modes(prefix_hits=rng.choice(["exact", "aligned"])), 1),
+        (lambda: scheduler.tree.set_modes(window_policy=rng.choice(["per_request", "all_committed"])), 1),
+    ]
+    actions, weights = zip(*operations, strict=True)
+    for _ in range(5000):
+        rng.choices(actions, weights)[0]()
+        check(scheduler)
+    while scheduler.running:
+        scheduler.finish(checkpoint=True)
+    scheduler.tree.reset()
+    usage = scheduler.pool.usage()
+    assert all(kind["free"] == kind["total"] for kind in usage.values()), usage

@@ -1,11 +1,14 @@
-"""Requests the server must not trust: refused before scheduling (:mod:`.validation`)."""
+"""Requests the server must not trust: refused before scheduling (:mod:`.validation`), and a
+forward that fails contained to its own batch (:mod:`.containment`)."""
 
 from __future__ import annotations
 
+from .containment import CONTAINMENT_HOOKS, register_containment_hooks
 from .validation import VALIDATION_HOOKS, register_validation_hooks
 
-SERVING_HOOKS = VALIDATION_HOOKS
+SERVING_HOOKS = (*VALIDATION_HOOKS, *CONTAINMENT_HOOKS)
 
 
 def register_serving_hooks() -> None:
     register_validation_hooks()
+    register_containment_hooks()

@@ -17,6 +17,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from .serving import SERVING_HOOKS, register_serving_hooks
 from .settings import settings
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ _CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encod
 _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
-_REQUEST_VALIDATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-_TOKENIZATION = "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request"
 _RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
 _STATE_UPDATES = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
@@ -41,8 +40,7 @@ REQUIRED_HOOKS = (
     _POOL_SIZING,
     _CHAT_ENCODING,
     _INTERNAL_STATE,
-    _REQUEST_VALIDATION,
-    _TOKENIZATION,
+    *SERVING_HOOKS,
     _RADIX_CACHE_FACTORY,
     _STATE_UPDATES,
 )
@@ -61,8 +59,7 @@ def register() -> None:
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
-    HookRegistry.register(_REQUEST_VALIDATION, _validate_request, HookType.BEFORE)
-    HookRegistry.register(_TOKENIZATION, _refuse_input_embeds, HookType.BEFORE)
+    register_serving_hooks()
     _register_prefix_cache()
 
 
@@ -233,24 +230,3 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         tree = scheduler.tree_cache
         report = {**tree.modes(), **tree.checkpoint_report(), "rows_miscounted": tree.audit()}
         result.internal_state["dsv4_prefix_cache"] = report
-
-
-def _validate_request(manager, obj, input_ids) -> None:
-    """Refuse, with an HTTP 400, token ids outside the vocabulary (any model: the embedding
-    lookup would raise in the scheduler process and take the server down)."""
-    vocab = manager.model_config.vocab_size
-    if input_ids and (min(input_ids) < 0 or max(input_ids) >= vocab):
-        raise ValueError(
-            f"input_ids must be in [0, {vocab}) (the vocabulary size); got min {min(input_ids)}, max {max(input_ids)}"
-        )
-
-
-def _refuse_input_embeds(manager, obj) -> None:
-    """V4's hash-routed layers pick experts by token id: input embeddings alone cannot be served
-    (checked before upstream's own input-embeds checks, whose advice does not apply to V4)."""
-    architectures = manager.model_config.hf_config.architectures or []
-    if ARCHITECTURE in architectures and getattr(obj, "input_embeds", None) is not None:
-        raise ValueError(
-            "DeepSeek-V4 routes its first MoE layers by token id (hash routing), so it needs token ids: "
-            "send input_ids or text instead of input_embeds"
-        )

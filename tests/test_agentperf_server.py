@@ -30,12 +30,12 @@ def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
     settings = Settings(
         slo=LOOSE,
         warmup_s=2.0,
-        measure_s=8.0,
+        measure_s=12.0,
         request_timeout_s=30.0,
         trials=1,
         max_concurrency=2,
         gpus=1,
-        max_seconds=60.0,
+        max_seconds=40.0,
         max_requests=1000,
         served_history=False,
         seed=0,
@@ -54,7 +54,10 @@ def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
             assert 0 <= record.sent_at < record.first_token_at <= record.last_token_at <= elapsed
         for agent in trial.agents:
             measured = [r for r in trial.records if r.agent == agent.agent and r.measured]
-            assert measured and agent.turns == len(measured)
+            assert agent.turns == len(measured)
+            if not measured:  # its one reply outlasted the window (a loaded host): the agent misses the SLO
+                assert agent.ttft_quantile_s is None and agent.output_speed is None and not trial.passed
+                continue
             assert agent.ttft_quantile_s == nearest_rank([r.first_token_at - r.sent_at for r in measured], 0.9)
             decoded = [r for r in measured if r.output_tokens >= 2]
             tokens_after_first = sum(r.output_tokens - 1 for r in decoded)

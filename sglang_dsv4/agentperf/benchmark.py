@@ -1,11 +1,12 @@
 """The benchmark: a CPG search per configuration, their trials interleaved, bounded in time and requests.
 
-Configurations take turns, one trial each per round, so a drift in the host's speed touches all of them
-alike; a configuration with ``server_args`` has its server switched to them before each of its trials
-(several configurations may share one URL: one server, modes switched at run time). Trial ``r`` at
-concurrency ``c`` replays the same seeded workload for every configuration. The run stops starting trials
-when the next one's window would pass ``max_seconds`` or ``max_requests`` is spent; a trial cut short
-decides nothing, and the searches it interrupts report the largest level passed so far, as incomplete.
+Each server first gets one untimed request. Configurations then take turns, one trial each per round, so a
+drift in the host's speed touches all of them alike; a configuration with ``server_args`` has its server
+switched to them before each of its trials (several configurations may share one URL: one server, modes
+switched at run time). Trial ``r`` at concurrency ``c`` replays the same seeded workload for every
+configuration. The run stops starting trials when the next one's window would pass ``max_seconds`` or
+``max_requests`` is spent; a trial cut short decides nothing, and the searches it interrupts report the
+largest level passed so far, as incomplete.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import aiohttp
 from .progress import Progress
 from .replay import RequestBudget, TrialPlan, TurnRecord, run_trial
 from .search import CpgSearch
-from .server import ChatServer, GenerateServer, Server, first_model
+from .server import ChatServer, GenerateServer, Server, ServerError, first_model
 from .slo import AgentMetrics, Slo, agent_metrics, meets
 from .trajectory import Trajectory
 
@@ -122,6 +123,8 @@ async def run_benchmark(
     deadline = loop.time() + settings.max_seconds
     budget = RequestBudget(settings.max_requests)
     result = BenchmarkResult(settings, trace, [ConfigurationResult(c) for c in configurations])
+    for server in servers:
+        await _prime(server, settings.request_timeout_s, budget)
     searches = [CpgSearch(settings.max_concurrency, settings.trials) for _ in configurations]
     steps = [search.steps() for search in searches]
     pending = {index: next(step) for index, step in enumerate(steps)}
@@ -147,6 +150,20 @@ async def run_benchmark(
         result.configurations[index].cpg_concurrency = searches[index].passing
     _summarize(result.configurations, settings.gpus)
     return result
+
+
+async def _prime(server: Server, timeout_s: float, budget: RequestBudget) -> None:
+    """One short untimed request, so a server's one-time costs (its first chat request compiles the template,
+    allocates, warms caches: seconds on a CPU host) do not land in the first trial. Failures are left to the
+    trials to report."""
+    if not budget.take():
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in server.stream([{"role": "user", "content": "Hello."}], 2):
+                pass
+    except (TimeoutError, ServerError):
+        pass
 
 
 async def _trial(

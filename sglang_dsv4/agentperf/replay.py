@@ -8,11 +8,10 @@ all at their first, short turns. Each turn sends the whole history, reads the st
 then waits the turn's tool latency. A failed turn ends the agent's trajectory: after the tool latency
 it starts the next.
 
-No turn is sent after the measurement window ``[warmup_s, warmup_s + measure_s)``; those in flight then
-finish (each bounded by ``request_timeout_s``). A turn is measured when it ends (last token, or failure)
-after the warm-up: every turn that overlaps the window counts, including one sent during the warm-up
-that is still streaming, so a slow server cannot leave an agent with nothing measured while it waits on it.
-All times are the event loop's clock, in seconds from the trial's start.
+A turn is measured when it is sent inside the measurement window ``[warmup_s, warmup_s + measure_s)``:
+turns sent during the warm-up (every agent's first, which prefills a whole history) never count. No turn
+is sent after the window; those in flight finish (each bounded by ``request_timeout_s``). All times are
+the event loop's clock, in seconds from the trial's start.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class TurnRecord:
     prompt_tokens: int | None
     cached_tokens: int | None
     error: str | None
-    measured: bool  # ended after the warm-up
+    measured: bool  # sent inside the measurement window
 
     @property
     def ttft_s(self) -> float:
@@ -166,7 +165,7 @@ class _Agent:
             prompt_tokens=None,
             cached_tokens=None,
             error=None,
-            measured=False,
+            measured=sent_at >= self.plan.warmup_s,
         )
         text: list[str] = []
         try:
@@ -179,7 +178,6 @@ class _Agent:
             record.error = str(error)
         if record.error is None and record.first_token_at is None:
             record.error = "the reply had no tokens"
-        record.measured = self.clock() >= self.plan.warmup_s
         return record, {"role": "assistant", "content": "".join(text)}
 
     def _note(self, record: TurnRecord, event: TokensArrived | Usage, text: list[str]) -> None:

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from ..prefix_cache import MODE_CODES, mode_code
 from .trajectory import Message
 
 ADMIN_TIMEOUT_S = 60.0
@@ -118,7 +119,8 @@ class _HttpServer:
             raise ServerError(f"{route}: {type(error).__name__}: {error}") from error
 
     async def apply(self, server_args: dict[str, Any]) -> dict[str, Any] | None:
-        """``POST /set_internal_state``, then the ``dsv4_prefix_cache`` modes read back from ``/server_info``.
+        """``POST /set_internal_state`` (dsv4 modes named in words are sent as their codes), then the
+        ``dsv4_prefix_cache`` modes read back, by name, from ``/server_info``.
 
         SGLang answers a list with one ``updated`` flag per scheduler (``{"updated": ...}`` is accepted
         too). Keys named ``dsv4_<mode>`` must read back as ``internal_states[0]["dsv4_prefix_cache"][<mode>]``.
@@ -126,7 +128,7 @@ class _HttpServer:
         try:
             async with asyncio.timeout(ADMIN_TIMEOUT_S):
                 async with self.session.post(
-                    f"{self.url}/set_internal_state", json={"server_args": server_args}
+                    f"{self.url}/set_internal_state", json={"server_args": _numeric(server_args)}
                 ) as reply:
                     answer = await reply.json(content_type=None)
                 async with self.session.get(f"{self.url}/server_info") as reply:
@@ -141,6 +143,14 @@ class _HttpServer:
             if key.startswith("dsv4_") and (modes or {}).get(key.removeprefix("dsv4_")) != value:
                 raise ServerError(f"{self.url} reports dsv4_prefix_cache {modes} after setting {key}={value!r}")
         return modes
+
+
+def _numeric(server_args: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's internal-state route takes numbers only: a dsv4 mode named in words goes as its code
+    (an unknown name goes as it is, for the server to refuse)."""
+    return {
+        key: mode_code(key, value) if value in MODE_CODES.get(key, ()) else value for key, value in server_args.items()
+    }
 
 
 class ChatServer(_HttpServer):

@@ -1,11 +1,12 @@
 """Per-agent service objectives, the named tiers, and the arithmetic that judges a trial.
 
-An agent meets an ``Slo`` in a trial when, over its turns measured in the trial (see ``replay``), none
+An agent meets an ``Slo`` in a trial when, over the turns it sent inside the measurement window, none
 failed, the ``ttft_quantile`` of its times to first token is at most ``max_ttft_s`` and its output speed
 is at least ``min_output_speed``. Output speed is tokens after the first over the time from first to last
 token, summed over the agent's turns (a token-weighted mean: long replies weigh more, as they do for the
 user). A trial meets the SLO when every agent does: AgentPerf counts agents that keep their objective, and
-an agent starved for the whole window must not hide behind the others.
+an agent starved for the whole window must not hide behind the others. An agent that sent no turn in the
+window fails: with a window longer than the longest tool wait, it was waiting on one reply throughout.
 
 Quantiles are nearest-rank: the smallest value with at least that fraction of values at or below it (the
 p90 of 10 values is the 9th smallest), so every reported quantile is a measured value.
@@ -67,7 +68,7 @@ class AgentMetrics:
         """Why this agent misses ``slo`` (empty when it meets it)."""
         reasons = []
         if self.turns == 0:
-            reasons.append("no turn measured")
+            reasons.append("no turn sent in the measurement window")
         if self.errors:
             reasons.append(f"{self.errors} failed turns")
         if self.ttft_quantile_s is not None and self.ttft_quantile_s > slo.max_ttft_s:

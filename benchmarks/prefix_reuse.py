@@ -48,7 +48,7 @@ MODES = [
     ("aligned", "all_committed"),
 ]
 BASELINE = ("aligned", "all_committed")
-SCALE = TraceScale(input_fraction=0.04, output_fraction=0.1, max_output_tokens=24, max_context_tokens=2600)
+SCALE = TraceScale(input_fraction=0.2, output_fraction=0.1, max_output_tokens=24, max_context_tokens=3000)
 BUDGETS = {"room for everything": 65536, "eviction (4,096 tokens)": 4096}
 
 
@@ -66,6 +66,10 @@ class ModeResult:
     @property
     def reuse(self) -> float:
         return self.cached_tokens / self.prompt_tokens
+
+
+def first_turns(trajectory: Trajectory, turns: int) -> Trajectory:
+    return Trajectory(trajectory.name, trajectory.turns[:turns])
 
 
 def render(tokenizer, messages: tuple[dict, ...]) -> list[int]:
@@ -142,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=10, help="turns replayed per session (its first ones)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_reuse.md"))
     args = parser.parse_args()
 
@@ -154,15 +159,17 @@ def main() -> None:
         "recorded sessions": load_sessions(DATA, SCALE, latency, seed=0)[: args.sessions],
         "synthetic AgentPerf shape": synthesize(args.sessions, SCALE, latency, seed=0),
     }
+    traces = {name: [first_turns(t, args.turns) for t in trajectories] for name, trajectories in traces.items()}
     report = [
         f"Scaling: every message keeps {SCALE.input_fraction:.0%} of its text, outputs {SCALE.output_fraction:.0%}"
         f" of the recorded length (2..{SCALE.max_output_tokens} tokens), sessions end before"
-        f" {SCALE.max_context_tokens:,} tokens; {args.sessions} sessions per trace, {args.concurrency} at a time;"
+        f" {SCALE.max_context_tokens:,} tokens; {args.sessions} sessions per trace (their first {args.turns} turns),"
+        f" {args.concurrency} at a time;"
         " tiny V4 on this CPU, float32; modes alternated on one server per budget (cache flushed between modes)."
     ]
     for budget_name, tokens in BUDGETS.items():
-        args = ("--dtype", "float32", "--max-total-tokens", str(tokens))
-        with running_server(model, *args, log_path=work / f"server-{tokens}.log") as url:
+        server_args = ("--dtype", "float32", "--max-total-tokens", str(tokens))
+        with running_server(model, *server_args, log_path=work / f"server-{tokens}.log") as url:
             for trace_name, trajectories in traces.items():
                 results = {}
                 for mode in MODES:

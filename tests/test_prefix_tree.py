@@ -51,6 +51,10 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0
     kv: RowRecord = field(default_factory=RowRecord)
+    done: bool = False
+
+    def finished(self) -> bool:
+        return self.done
 
 
 class Scheduler:
@@ -120,6 +124,7 @@ class Scheduler:
         req = self.running.pop(self.rng.randrange(len(self.running)))
         owned = len(req.full_untruncated_fill_ids) - 1  # the last sampled token has no KV yet
         assert owned == req.kv.kv_allocated_len
+        req.done = True
         if checkpoint:
             self.tree.checkpoint(req, up_to=owned)
             self.sequences.append(list(req.full_untruncated_fill_ids[:owned]))

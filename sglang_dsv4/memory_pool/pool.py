@@ -160,8 +160,9 @@ class V4KVPool(KVCache):
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def checkpoint(self, request: int, position: int) -> Checkpoint | None:
-        """A checkpoint of ``request`` at ``position`` from its live state, if the row still has it.
+    def checkpoint(self, request: int, position: int, commit_all: bool = False) -> Checkpoint | None:
+        """A checkpoint of ``request`` at ``position`` from its live state, if the row still has it;
+        with ``commit_all`` it also keeps every window slot the row holds before ``position``.
 
         The row's state is at ``position`` or, after one more single-token forward (SGLang's
         overlap scheduler runs the next decode step before it processes this one's result),
@@ -174,7 +175,7 @@ class V4KVPool(KVCache):
             source = self.previous_state
         else:
             return None
-        keep = self.config.sliding_window if tables.window_policy == "per_request" else position
+        keep = position if commit_all else self.config.sliding_window
         checkpoint = self._new_checkpoint(request, position, keep)
         if checkpoint is not None:
             for key, records in source.items():

@@ -16,7 +16,8 @@ prefix cache when SGLang allocates it; see :mod:`sglang_dsv4.prefix_cache.tree`.
 Window policy: ``per_request`` keeps only the slots a forward or a checkpoint can still
 read (the last window plus one token, SGLang's one-step scheduling lag, and the window
 behind each snapshot position); ``all_committed`` keeps every slot the request wrote
-until it is freed, so its final checkpoint commits them all (upstream's behaviour).
+until it is freed, so its final checkpoint commits them all (upstream's behaviour), as far
+as the window slots allow: a forward they cannot hold keeps what ``per_request`` keeps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from .shared_rows import SharedRows
+from .shared_rows import PoolExhausted, SharedRows
 
 
 class UnboundRequestRow(RuntimeError):
@@ -112,10 +113,14 @@ class RequestTables:
 
     def _reserve_window(self, row: int, start: int, target: int, snapshots: list[int]) -> None:
         if self.window_policy == "all_committed":
-            needed = torch.arange(start, target)
-        else:  # what the next forward, a lagging checkpoint and the snapshots read
-            spans = [(target - self.window - 1, target)] + [(p - self.window, p) for p in snapshots]
-            needed = torch.unique(torch.cat([torch.arange(max(start, a), b) for a, b in spans]))
+            try:
+                self.window_table[row, start:target] = self.window_slots.alloc(target - start)
+                return
+            except PoolExhausted:  # the pool is sized for per_request: keep what that keeps
+                pass
+        # What the next forward, a lagging checkpoint and the snapshots read.
+        spans = [(target - self.window - 1, target)] + [(p - self.window, p) for p in snapshots]
+        needed = torch.unique(torch.cat([torch.arange(max(start, a), b) for a, b in spans]))
         self.window_table[row, needed] = self.window_slots.alloc(len(needed))
 
     def trim(self, row: int, keep_from: int) -> None:

@@ -119,8 +119,12 @@ class V4RadixCache(RadixCache):
 
         for snapshot in self.pool.take_snapshots(row, up_to):
             self._attach(radix_key, snapshot)
-        if self.prefix_hits == "exact":
-            live = self.pool.checkpoint(row, up_to)
+        # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
+        # all_committed, also keeps every window slot the request held (in aligned mode, unless at
+        # a page boundary, that is all it does: the tree holds them until evicted).
+        commit_all = req.finished() and self.pool.tables.window_policy == "all_committed"
+        if self.prefix_hits == "exact" or commit_all:
+            live = self.pool.checkpoint(row, up_to, commit_all)
             if live is not None:
                 self._attach(radix_key, live)
 

@@ -28,7 +28,8 @@ from sglang_dsv4.serving.validation import MAX_SAMPLES_PER_REQUEST, MAX_TOP_LOGP
 
 VOCAB = 1024
 FUZZ_SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "120"))
-REQUESTS_PER_BATCH = 64
+REQUESTS_PER_BATCH = 32  # hypothesis overruns its example buffer on much larger batches
+CLIENTS = 16  # concurrent connections: the served requests of a batch decode together
 CLIENT_TIMEOUT_S = 10  # a request still running then is dropped by its client (the server aborts it)
 CONTAINED_FAILURE = "keeps serving"  # in the 500 of a request whose forward raised (serving.containment)
 
@@ -89,6 +90,10 @@ def test_prompt_that_tokenizes_to_nothing_is_refused(server, prompt):
     assert_refused(post(server, "/generate", {**prompt, "sampling_params": {"max_new_tokens": 2}}), "prompt is empty")
 
 
+def test_empty_sampling_params_list_is_refused(server):
+    assert_refused(post(server, "/generate", {"input_ids": PROMPT, "sampling_params": []}), "sampling_params must be")
+
+
 def test_top_k_beyond_int32_is_refused(server):
     payload = {"input_ids": PROMPT, "sampling_params": {"top_k": 2**31}}
     assert_refused(post(server, "/generate", payload), "top_k", str(2**31 - 1))
@@ -125,25 +130,40 @@ EDGE_INTS = [-(2**63), -(2**31) - 1, -(2**31), -2, -1, 0, 1, 2, VOCAB - 1, VOCAB
 EDGE_INTS += [2**31 - 1, 2**31, 2**53, 2**63 - 1, 2**64]
 edge_ints = st.sampled_from(EDGE_INTS) | st.integers(-3, 40)
 numbers = edge_ints | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([0.0, -0.0, 1e-30, 1e308])
-token_ids = st.integers(0, VOCAB - 1) | edge_ints
-texts = st.text(max_size=40) | st.sampled_from(["", " ", "\u0000", "\ud800", "🙂" * 50, "<|im_start|>", "a" * 3000])
+
+
+def weighted(common: st.SearchStrategy, rare: st.SearchStrategy, common_share: int) -> st.SearchStrategy:
+    """``common`` ``common_share`` times out of ``common_share + 1`` (``one_of`` alone favours no branch)."""
+    return st.sampled_from([True] * common_share + [False]).flatmap(lambda common_now: common if common_now else rare)
+
+
+def mostly(served: st.SearchStrategy, edges: st.SearchStrategy) -> st.SearchStrategy:
+    """Values the server serves four times in five (so that requests reach the scheduler), edge values otherwise."""
+    return weighted(served, edges, 4)
+
+
+token_ids = mostly(st.integers(0, VOCAB - 1), edge_ints)
+texts = st.text(max_size=40) | st.sampled_from(["", " ", "\u0000", "🙂" * 50, "<|im_start|>", "a" * 3000])
 json_values = st.recursive(
     st.none() | st.booleans() | numbers | texts,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
     max_leaves=10,
 )
-small_counts = st.integers(0, 12) | edge_ints
-# Mostly values the server serves, so that requests reach the scheduler too; edge numbers otherwise.
-fractions = st.one_of(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), numbers)
+small_counts = mostly(st.integers(0, 4), edge_ints)
+sample_counts = mostly(st.integers(1, 2), edge_ints)
+top_ks = mostly(st.sampled_from([-1, 1, 2, 50, VOCAB, 10**6]), edge_ints)
+seeds = mostly(st.integers(0, 2**31), edge_ints)
+fractions = mostly(st.floats(0, 1), numbers)
+biases = st.dictionaries(token_ids.map(str), mostly(st.floats(-100, 100), numbers), max_size=3)
 # Lengths that are served stay short (a batch takes seconds); the others are refused (negative, beyond the context).
-new_token_counts = st.integers(0, 6) | st.sampled_from([-1, 65536, 2**31, 2**63 - 1])
+new_token_counts = mostly(st.integers(1, 4), st.sampled_from([-1, 0, 65536, 2**31, 2**63 - 1]))
 
 
 def fields(required: dict, optional: dict) -> st.SearchStrategy[dict]:
-    """Plausible requests: the required fields, some optional ones; a value is junk one time in ten."""
+    """Plausible requests: the required fields, some optional ones; a value is junk one time in 25."""
 
     def junk_or(strategy):
-        return st.one_of([strategy] * 9 + [json_values])
+        return weighted(strategy, json_values, 24)
 
     return st.fixed_dictionaries(
         {name: junk_or(value) for name, value in required.items()},
@@ -158,17 +178,17 @@ def merged(*parts: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
 sampling_params = fields(
     {"max_new_tokens": new_token_counts},
     {
-        "temperature": fractions, "top_p": fractions, "top_k": edge_ints, "min_p": fractions,
+        "temperature": fractions, "top_p": fractions, "top_k": top_ks, "min_p": fractions,
         "frequency_penalty": fractions, "presence_penalty": fractions, "repetition_penalty": fractions,
-        "min_new_tokens": small_counts, "n": small_counts, "ignore_eos": st.booleans(),
+        "min_new_tokens": small_counts, "n": sample_counts, "ignore_eos": st.booleans(),
         "stop": texts | st.lists(texts, max_size=3), "stop_token_ids": st.lists(token_ids, max_size=3),
-        "logit_bias": st.dictionaries(token_ids.map(str), numbers, max_size=3), "sampling_seed": edge_ints,
+        "logit_bias": biases, "sampling_seed": seeds,
         "regex": st.sampled_from(["[0-9]+", "((", "a{0,100000}", ".*"]),
         "json_schema": st.sampled_from(['{"type": "object"}', "{not json", '{"type": "nonsense"}']),
         "skip_special_tokens": st.booleans(), "no_stop_trim": st.booleans(),
     },
 )  # fmt: skip
-prompt_ids = st.lists(token_ids, min_size=0, max_size=40)
+prompt_ids = mostly(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), st.lists(token_ids, max_size=40))
 prompts = fields({"input_ids": prompt_ids | st.lists(prompt_ids, max_size=3)}, {}) | fields(
     {"text": texts | st.lists(texts, max_size=3)}, {}
 )
@@ -190,9 +210,9 @@ exotic_options = fields(
 )  # fmt: skip
 generate_bodies = merged(prompts, generate_options) | merged(prompts, generate_options, exotic_options)
 openai_sampling = {
-    "temperature": fractions, "top_p": fractions, "top_k": edge_ints, "n": small_counts, "stream": st.booleans(),
-    "stop": texts | st.lists(texts, max_size=3), "seed": edge_ints, "presence_penalty": fractions,
-    "frequency_penalty": fractions, "logit_bias": st.dictionaries(token_ids.map(str), numbers, max_size=3),
+    "temperature": fractions, "top_p": fractions, "top_k": top_ks, "n": sample_counts, "stream": st.booleans(),
+    "stop": texts | st.lists(texts, max_size=3), "seed": seeds, "presence_penalty": fractions,
+    "frequency_penalty": fractions, "logit_bias": biases,
     "min_tokens": small_counts, "ignore_eos": st.booleans(), "regex": st.sampled_from(["[a-z ]+", "(("]),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
 }  # fmt: skip
@@ -202,10 +222,12 @@ completion_bodies = fields(
     {"logprobs": small_counts, "echo": st.booleans(),
      "best_of": small_counts, "suffix": texts, **openai_sampling},
 )  # fmt: skip
-roles = st.sampled_from(["system", "user", "assistant", "tool", "developer"]) | texts
+roles = mostly(st.sampled_from(["system", "user", "assistant"]), st.sampled_from(["tool", "developer"]) | texts)
 content_parts = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": texts})
 messages = st.lists(
-    fields({"role": roles, "content": texts | st.lists(content_parts, max_size=2)}, {"name": texts}), max_size=4
+    fields({"role": roles, "content": mostly(texts, st.lists(content_parts, max_size=2))}, {"name": texts}),
+    min_size=1,
+    max_size=4,
 )
 chat_bodies = fields(
     {"model": st.just("tiny"), "messages": messages, "max_tokens": new_token_counts},
@@ -217,13 +239,14 @@ chat_bodies = fields(
 )  # fmt: skip
 ROUTE_BODIES = {"/generate": generate_bodies, "/v1/completions": completion_bodies, "/v1/chat/completions": chat_bodies}
 raw_bodies = st.sampled_from([b"", b"{", b"[]", b"null", b'{"input_ids": [1, 2, NaN]}', b"[" * 5000 + b"]" * 5000])
+raw_bodies |= st.sampled_from([b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}'])  # a lone surrogate
 raw_bodies |= st.binary(max_size=64)
 
 
 @st.composite
 def probes(draw) -> Probe:
     route = draw(st.sampled_from(sorted(ROUTE_BODIES)))
-    body = draw(st.one_of(ROUTE_BODIES[route], ROUTE_BODIES[route], ROUTE_BODIES[route], json_values, raw_bodies))
+    body = draw(weighted(ROUTE_BODIES[route], json_values | raw_bodies, 3))
     if isinstance(body, dict) and body.get("stream") is True:
         return Probe(route, body, stream_lines_before_disconnect=draw(st.sampled_from([0, 1, 2, 5, 10**6])))
     timeout = draw(st.sampled_from([CLIENT_TIMEOUT_S] * 4 + [0.05, 0.5]))  # some clients give up early
@@ -284,7 +307,7 @@ def fuzz_deadline(server) -> float:
 def test_fuzzed_requests_never_take_the_server_down(server, references, fuzz_deadline, batch):
     if time.monotonic() > fuzz_deadline:
         return
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
         fuzzed = [pool.submit(send, server, probe) for probe in batch]
         correct = [pool.submit(greedy, server, ref.ids, 8) for ref in references]
         for future in fuzzed:

@@ -16,6 +16,7 @@ lets through, and what each did to a server on this machine before these checks:
   (n=1000 tied the tiny server up for minutes; n=10**9 would exhaust the HTTP process's memory);
   ``n`` below 1 was silently taken as 1 on ``/generate``;
 - ``logprob_start_len`` below -1: silently taken;
+- ``sampling_params: []``: an ``IndexError`` while the request is normalized, answered as a 500;
 - input embeddings on DeepSeek-V4, whose first MoE layers route by token id (hash routing).
 
 The bounds are this module's constants, documented in the README.
@@ -47,7 +48,7 @@ VALIDATION_HOOKS = (_SAMPLE_COUNT, _TOKENIZATION, _ONE_REQUEST, _OPENAI_COMPLETI
 
 def register_validation_hooks() -> None:
     """Install the checks; each runs before SGLang's own check at the same place."""
-    HookRegistry.register(_SAMPLE_COUNT, _refuse_bad_sample_count, HookType.BEFORE)
+    HookRegistry.register(_SAMPLE_COUNT, _refuse_bad_fan_out, HookType.BEFORE)
     HookRegistry.register(_TOKENIZATION, _refuse_input_embeds_on_v4, HookType.BEFORE)
     HookRegistry.register(_ONE_REQUEST, _refuse_what_the_scheduler_cannot_run, HookType.BEFORE)
     HookRegistry.register(_OPENAI_COMPLETION, _check_openai_completion, HookType.AFTER)
@@ -68,9 +69,12 @@ def top_logprobs_error(field: str, count: Any) -> str | None:
     return None
 
 
-def _refuse_bad_sample_count(request) -> None:
+def _refuse_bad_fan_out(request) -> None:
     """Before SGLang copies the request ``n`` times (its first step on ``/generate``)."""
     sampling_params = request.sampling_params
+    if sampling_params == []:
+        # SGLang reads the first entry for ``n``: an IndexError, answered as a 500.
+        raise ValueError("sampling_params must be an object, or a list with one object per prompt; got []")
     for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
         if isinstance(params, dict) and (error := sample_count_error("sampling_params.n", params.get("n", 1))):
             raise ValueError(error)

@@ -207,13 +207,14 @@ async def _trial(
 
 
 def _worst(agents: list[AgentMetrics], slo: Slo) -> str:
-    """The slowest agent's speed and the largest TTFT quantile, or the first failure's reason."""
-    reasons = [reason for agent in agents for reason in agent.failures(slo)]
+    """The slowest agent's speed, the largest TTFT quantile, and how many agents miss the SLO (with one reason)."""
     speeds = [a.output_speed for a in agents if a.output_speed is not None]
     ttfts = [a.ttft_quantile_s for a in agents if a.ttft_quantile_s is not None]
-    measured = f"slowest agent {min(speeds):.1f} tok/s, " if speeds else ""
-    measured += f"worst TTFT p{slo.ttft_quantile * 100:g} {max(ttfts):.2f}s" if ttfts else "no TTFT"
-    return measured + (f"; {reasons[0]}" if reasons else "")
+    parts = [f"slowest agent {min(speeds):.1f} tok/s"] if speeds else []
+    parts += [f"worst TTFT p{slo.ttft_quantile * 100:g} {max(ttfts):.2f}s"] if ttfts else []
+    missing = [agent.failures(slo) for agent in agents if agent.failures(slo)]
+    summary = ", ".join(parts) or "nothing measured"
+    return summary + (f"; {len(missing)}/{len(agents)} agents miss it, e.g. {missing[0][0]}" if missing else "")
 
 
 def _summarize(outcomes: list[ConfigurationResult], gpus: int) -> None:

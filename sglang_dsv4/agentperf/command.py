@@ -12,7 +12,7 @@ modes, e.g. sglang-dsv4's prefix-cache modes::
 
 ``--scale`` picks the trace scaling and the defaults of the SLO tier and windows (``gpu``: traces as
 recorded, ``slo20``, 60 s warm-up, 300 s measurement; ``cpu``: traces for the tiny V4 on a CPU host,
-``cpu-slo20``, 5 s and 20 s); every one of them can be overridden. Results go to ``--out``
+``cpu-slo20``, 5 s and 30 s); every one of them can be overridden. Results go to ``--out``
 (``agentperf.json``, ``agentperf.md``, ``agentperf.png``) and the table is printed.
 """
 
@@ -34,7 +34,7 @@ from .trajectory import SCALES, ToolLatency, Trajectory
 
 SCALE_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpu": {"slo": "slo20", "warmup_s": 60.0, "measure_s": 300.0, "request_timeout_s": 600.0, "max_concurrency": 1024},
-    "cpu": {"slo": "cpu-slo20", "warmup_s": 5.0, "measure_s": 20.0, "request_timeout_s": 60.0, "max_concurrency": 32},
+    "cpu": {"slo": "cpu-slo20", "warmup_s": 5.0, "measure_s": 30.0, "request_timeout_s": 60.0, "max_concurrency": 32},
 }
 REPORTED_ERRORS = (ValueError, ServerError, OSError)
 """What ``run`` raises for bad arguments, traces or servers: reported as a message, not a traceback."""

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from .benchmark import BenchmarkResult, ConfigurationResult
+from .replay import TurnRecord
 
 
 def write_all(result: BenchmarkResult, folder: Path) -> str:
@@ -22,7 +23,7 @@ def write_all(result: BenchmarkResult, folder: Path) -> str:
 
 def write_json(result: BenchmarkResult, path: Path) -> None:
     """Settings, per-trial verdicts, per-agent metrics and every turn's timestamps."""
-    path.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+    path.write_text(json.dumps(dataclasses.asdict(result)) + "\n")
 
 
 def markdown_table(result: BenchmarkResult) -> str:
@@ -44,8 +45,8 @@ def markdown_table(result: BenchmarkResult) -> str:
     lines += [
         "",
         f"| configuration | concurrency | trials passed | agent tok/s (min / median) | agent TTFT {quantile} s "
-        "(median / max) | measured turns | failed turns |",
-        "|---|---|---|---|---|---|---|",
+        "(median / max) | measured turns | failed turns | prompt tokens cached |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for outcome in result.configurations:
         for concurrency in sorted({trial.concurrency for trial in outcome.trials}):
@@ -72,8 +73,16 @@ def _level_row(outcome: ConfigurationResult, concurrency: int) -> str:
         f"| {outcome.configuration.name} | {concurrency} | {sum(t.passed for t in trials)}/{len(trials)} | "
         f"{_two(min(speeds), statistics.median(speeds), '.1f') if speeds else 'n/a'} | "
         f"{_two(statistics.median(ttfts), max(ttfts), '.2f') if ttfts else 'n/a'} | {len(measured)} | "
-        f"{sum(r.error is not None for r in measured)} |"
+        f"{sum(r.error is not None for r in measured)} | {_cached_share(measured)} |"
     )
+
+
+def _cached_share(records: list[TurnRecord]) -> str:
+    """Share of prompt tokens the server reports as prefix-cache hits (``n/a`` where it reports none)."""
+    reported = [r for r in records if r.cached_tokens is not None and r.prompt_tokens]
+    if not reported:
+        return "n/a"
+    return f"{sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported):.0%}"
 
 
 def _two(first: float, second: float, spec: str) -> str:

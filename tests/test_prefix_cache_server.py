@@ -7,7 +7,6 @@ path: outputs and logprobs of resumed requests must equal it.
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
 import json
 import random
 from pathlib import Path
@@ -20,7 +19,9 @@ from test_v4_server import assert_everything_free, pool_usage
 from sglang_dsv4.launch import running_server
 from sglang_dsv4.prefix_cache import mode_code
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agentic_trajectories.jsonl.gz"
+# The first turns of one recorded session of ../shared/data/agentic_trajectories.jsonl.gz (messages cut to
+# 400 characters), kept with the tests so they need nothing outside the repository.
+RECORDED_SESSION = Path(__file__).with_name("data") / "recorded_session_excerpt.json"
 TOLERANCE = 1e-4
 
 
@@ -145,9 +146,7 @@ def test_aligned_mode_hits_only_at_whole_pages_and_gives_the_same_outputs(server
 
 
 def test_a_mode_outside_the_allowed_values_is_refused_and_changes_nothing(server):
-    response = requests.post(
-        f"{server}/set_internal_state", json={"server_args": {"dsv4_prefix_hits": 2}}, timeout=30
-    )
+    response = requests.post(f"{server}/set_internal_state", json={"server_args": {"dsv4_prefix_hits": 2}}, timeout=30)
     assert not updated(response)
     assert prefix_cache_state(server)["prefix_hits"] == "exact"
 
@@ -171,19 +170,16 @@ def test_per_request_keeps_checkpoint_windows_all_committed_keeps_every_token(se
     assert_everything_free(server)
 
 
-def chat_prompts(turns: int, chars: int) -> list[list[dict]]:
-    """The first ``turns`` requests of a recorded session, each message cut to ``chars`` characters."""
-    with gzip.open(DATA, "rt") as lines:
-        session = json.loads(next(lines))
+def chat_prompts() -> list[list[dict]]:
+    """Each request of the recorded excerpt: every message before an assistant message (tool
+    outputs sent as user messages, which the tiny chat template knows)."""
     messages, prompts = [], []
-    for message in session["messages"]:
+    for message in json.loads(RECORDED_SESSION.read_text())["messages"]:
         if message["role"] == "assistant":
             prompts.append([dict(m) for m in messages])
-            if len(prompts) == turns:
-                break
-        kept = {"role": "user" if message["role"] == "tool" else message["role"]}
-        kept["content"] = (message.get("content") or "")[:chars]
-        messages.append(kept)
+        messages.append(
+            {"role": "user" if message["role"] == "tool" else message["role"], "content": message["content"]}
+        )
     return prompts
 
 
@@ -192,7 +188,7 @@ def test_chat_turns_from_a_recorded_session_reuse_their_common_prefix(server, ti
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_path))
     flush(server)
-    prompts = chat_prompts(turns=6, chars=400)
+    prompts = chat_prompts()
     interval = prefix_cache_state(server)["checkpoint_interval"]
     previous_ids = None
     for messages in prompts:

@@ -244,9 +244,6 @@ class V4KVPool(KVCache):
         self.window_slots.release(checkpoint.window)
         self.records.release(torch.tensor([checkpoint.record]))
 
-    def checkpoint_window_bytes(self, checkpoint: Checkpoint) -> int:
-        return len(checkpoint.window) * self.layout.window_slot_bytes
-
     def usage(self) -> dict[str, dict[str, int]]:
         """Per kind of row: how many there are and how many are free."""
         return {

@@ -52,7 +52,6 @@ class V4RadixCache(RadixCache):
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.checkpoint_interval = checkpoint_interval
         super().__init__(params)
-        self.prefix_hits = prefix_hits
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
         pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens)
 
@@ -82,8 +81,8 @@ class V4RadixCache(RadixCache):
         for checkpoint in self.checkpoints.values():
             self.pool.release(checkpoint)
         self.checkpoints.clear()
-        if hasattr(self, "root_node"):
-            self.pool.release_slots(self.all_values_flatten() if self.root_node.children else torch.zeros(0))
+        if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
+            self.pool.release_slots(self.all_values_flatten())
         super().reset()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:

@@ -3,11 +3,10 @@
 Starts ``sglang.launch_server`` on the tiny checkpoint, or uses ``--url``, and runs ``dsv4 agentperf compare``
 on the 84 recorded sessions at CPU scale with four configurations of that one server: ``dsv4_prefix_hits``
 exact | aligned x ``dsv4_window_policy`` per_request | all_committed, switched through ``/set_internal_state``
-before every trial. The JSON, table and plot go to ``benchmarks/agentperf/modes/``.
+(and the cache flushed) before every trial. The JSON, table and plot go to ``benchmarks/agentperf/modes/``.
 
 The server (``SERVER_ARGS``) has a 16,384-token pool, so agents' histories can stay cached through their
-tool waits, and reports cache hits in each reply's usage; it runs one torch thread (``SERVER_ENV``) because
-on a shared 2-core host two threads' barriers wait out other processes' time slices and decode slows 10-30x.
+tool waits, and reports cache hits in each reply's usage; it runs one torch thread (``ONE_TORCH_THREAD``).
 
     python benchmarks/agentperf_modes.py [--url http://127.0.0.1:PORT] [--max-seconds 3600]
 
@@ -22,14 +21,13 @@ import tempfile
 from pathlib import Path
 
 from sglang_dsv4.cli import main as dsv4
-from sglang_dsv4.launch import running_server
+from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 from sglang_dsv4.tiny import build_checkpoint
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
 OUT = REPOSITORY / "benchmarks" / "agentperf" / "modes"
 SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384", "--enable-cache-report")
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 MODES = [(hits, policy) for hits in ("exact", "aligned") for policy in ("per_request", "all_committed")]
 
 
@@ -58,7 +56,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as scratch:
         model = build_checkpoint(Path(scratch) / "tiny")
-        with running_server(model, *SERVER_ARGS, log_path=Path(scratch) / "server.log", env=SERVER_ENV) as url:
+        with running_server(model, *SERVER_ARGS, log_path=Path(scratch) / "server.log", env=ONE_TORCH_THREAD) as url:
             run(url, args.max_seconds)
 
 

@@ -6,7 +6,8 @@ that met the SLO in the AgentPerf run, see ``benchmarks/RESULTS.md``) for ``--mi
 then reports: errors (must be none), latency drift between the first and the last five
 minutes (TTFT p50/p90 and output speed), and the pools once the load stopped and after
 ``/flush_cache`` (free plus evictable must cover every pool, and flushed every pool must
-be back at the idle baseline taken before the load).
+be back at the idle baseline taken before the load). The server it starts is the AgentPerf
+run's: one torch thread, the same 16,384-token pool.
 
     python benchmarks/soak.py [--minutes 30] [--concurrency 2] [--url URL] [--out FILE]
 """
@@ -27,7 +28,7 @@ from sglang_dsv4.agentperf.replay import RequestBudget, TrialPlan, TurnRecord, r
 from sglang_dsv4.agentperf.server import ChatServer, first_model
 from sglang_dsv4.agentperf.traces import load_sessions
 from sglang_dsv4.agentperf.trajectory import SCALES, ToolLatency
-from sglang_dsv4.launch import running_server
+from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 from sglang_dsv4.tiny import build_checkpoint
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agentic_trajectories.jsonl.gz"
@@ -116,7 +117,8 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as scratch:
             model = build_checkpoint(Path(scratch) / "tiny")
-            with running_server(model, *SERVER_ARGS, log_path=Path(scratch) / "server.log") as url:
+            log_path = Path(scratch) / "server.log"
+            with running_server(model, *SERVER_ARGS, log_path=log_path, env=ONE_TORCH_THREAD) as url:
                 report = soak(url, args.concurrency, args.minutes)
     print(report)
     if args.out:

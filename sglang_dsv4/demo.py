@@ -18,7 +18,7 @@ from .agentperf.report import markdown_table
 from .agentperf.slo import TIERS
 from .agentperf.synthetic import synthesize
 from .agentperf.trajectory import SCALES, ToolLatency
-from .launch import running_server
+from .launch import ONE_TORCH_THREAD, running_server
 from .tiny import build_checkpoint
 
 
@@ -48,7 +48,8 @@ def run_demo(task: str) -> None:
         model = build_checkpoint(Path(scratch) / "tiny")
         print(f"built the tiny DeepSeek-V4 checkpoint in {model}")
         started = time.perf_counter()
-        with running_server(model, "--dtype", "float32", log_path=Path(scratch) / "server.log") as url:
+        log_path = Path(scratch) / "server.log"
+        with running_server(model, "--dtype", "float32", log_path=log_path, env=ONE_TORCH_THREAD) as url:
             print(f"server up at {url} after {time.perf_counter() - started:.1f}s")
             state = agent_program().run(task=task, backend=sgl.RuntimeEndpoint(url))
             print(f"turn 1  user: {task}\n        agent: {state['first_command']!r}")

@@ -14,6 +14,9 @@ from pathlib import Path
 import requests
 
 STARTUP_TIMEOUT_S = 240
+ONE_TORCH_THREAD = {"OMP_NUM_THREADS": "1"}
+"""Server environment for load runs on a small shared host: with two torch threads each op's barrier waits out
+other processes' time slices, and decode under concurrent agents slows 10-30x."""
 
 
 def free_port() -> int:

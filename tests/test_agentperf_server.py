@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import pytest
+import requests
+from transformers import AutoTokenizer
 
 from sglang_dsv4.agentperf.benchmark import Configuration, Settings, measure
+from sglang_dsv4.agentperf.server import GenerateServer, TokensArrived, Usage
 from sglang_dsv4.agentperf.slo import Slo, nearest_rank
 from sglang_dsv4.agentperf.synthetic import synthesize
 from sglang_dsv4.agentperf.trajectory import ToolLatency, TraceScale
-from sglang_dsv4.launch import running_server
+from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 
 # Short turns (at most 16 tokens out, histories under 512 tokens) keep the run within seconds on a busy CPU.
 SHORT_TURNS = TraceScale(input_fraction=1 / 64, output_fraction=1 / 8, max_output_tokens=16, max_context_tokens=512)
@@ -21,25 +25,30 @@ LOOSE = Slo("loose", min_output_speed=1.0, max_ttft_s=30.0)
 
 @pytest.fixture(scope="module")
 def server(tiny_path, log_dir):
-    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "agentperf-server.log") as url:
+    log_path = log_dir / "agentperf-server.log"
+    with running_server(tiny_path, "--dtype", "float32", log_path=log_path, env=ONE_TORCH_THREAD) as url:
         yield url
 
 
-def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
-    trajectories = synthesize(8, SHORT_TURNS, ToolLatency(median_s=0.2), seed=0)
-    settings = Settings(
+def short_run(max_concurrency: int, measure_s: float) -> Settings:
+    return Settings(
         slo=LOOSE,
         warmup_s=2.0,
-        measure_s=12.0,
+        measure_s=measure_s,
         request_timeout_s=30.0,
         trials=1,
-        max_concurrency=2,
+        max_concurrency=max_concurrency,
         gpus=1,
         max_seconds=40.0,
         max_requests=1000,
         served_history=False,
         seed=0,
     )
+
+
+def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
+    trajectories = synthesize(8, SHORT_TURNS, ToolLatency(median_s=0.2), seed=0)
+    settings = short_run(max_concurrency=2, measure_s=12.0)
     started = time.monotonic()
     result = asyncio.run(measure([Configuration("tiny", server)], trajectories, settings, "synthetic, short turns"))
     elapsed = time.monotonic() - started
@@ -66,3 +75,30 @@ def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
             )
     # The trials' clocks agree with the wall clock: they ran one after another inside the run.
     assert sum(max(r.last_token_at for r in trial.records) for trial in outcome.trials) <= elapsed
+
+
+def test_generate_api_sends_the_history_as_the_chat_templates_token_ids(server, tiny_path):
+    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "tests fail: ÿ→é"}]
+    chat = requests.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+
+    async def one_turn() -> list:
+        async with aiohttp.ClientSession() as session:
+            generate = GenerateServer(server, session, AutoTokenizer.from_pretrained(tiny_path))
+            return [event async for event in generate.stream(messages, output_tokens=5)]
+
+    events = asyncio.run(one_turn())
+    assert [event.total for event in events if isinstance(event, TokensArrived)] == [1, 2, 3, 4, 5]
+    (usage,) = [event for event in events if isinstance(event, Usage)]
+    assert usage.completion_tokens == 5
+    assert usage.prompt_tokens == chat.json()["usage"]["prompt_tokens"]  # the server's own chat template
+
+
+def test_generate_api_run_completes_every_turn_and_resumes_each_history_from_the_cache(server, tiny_path):
+    trajectories = synthesize(4, SHORT_TURNS, ToolLatency(median_s=0.2), seed=1)
+    settings = short_run(max_concurrency=1, measure_s=8.0)
+    configurations = [Configuration("tiny", server)]
+    result = asyncio.run(measure(configurations, trajectories, settings, "short", "generate", None, str(tiny_path)))
+    records = [record for trial in result.configurations[0].trials for record in trial.records]
+    assert records and all(r.error is None and r.output_tokens == r.requested_tokens for r in records), records
+    later_turns = [r for r in records if r.turn > 0]
+    assert later_turns and all(r.cached_tokens and r.cached_tokens > 0 for r in later_turns), later_turns

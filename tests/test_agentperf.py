@@ -320,12 +320,14 @@ class FakeHttpServer:
     def __init__(self) -> None:
         self.modes = {"prefix_hits": "exact", "window_policy": "per_request"}
         self.chat_requests: list[dict] = []
+        self.flushes = 0
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/set_internal_state", self.set_internal_state)
+        app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_get("/server_info", self.server_info)
         return app
 
@@ -360,11 +362,16 @@ class FakeHttpServer:
             self.modes[key.removeprefix("dsv4_")] = MODE_CODES[key][value]
         return web.json_response([True])
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        assert float(request.query["timeout"]) > 0  # waits for the previous trial's requests to end
+        self.flushes += 1
+        return web.Response(text="Cache flushed.")
+
     async def server_info(self, _: web.Request) -> web.Response:
         return web.json_response({"internal_states": [{"dsv4_prefix_cache": dict(self.modes)}]})
 
 
-def test_chat_streaming_and_mode_switches_over_http():
+def test_chat_streaming_and_mode_switches_that_empty_the_cache_over_http():
     fake = FakeHttpServer()
 
     async def scenario():
@@ -396,6 +403,7 @@ def test_chat_streaming_and_mode_switches_over_http():
     aligned, exact = result.configurations
     assert aligned.trials[0].modes == {"prefix_hits": "aligned", "window_policy": "all_committed"}
     assert exact.trials[0].modes == {"prefix_hits": "exact", "window_policy": "per_request"}
+    assert fake.flushes == 2  # one per trial; none after the refused switch
     records = [r for c in result.configurations for t in c.trials for r in t.records]
     assert records and all(r.error is None and r.output_tokens == 5 and r.cached_tokens == 32 for r in records)
     assert all(r.first_token_at > r.sent_at and r.last_token_at > r.first_token_at for r in records)

@@ -3,8 +3,8 @@
 ``run --url URL`` searches one server's CPG; ``compare --config ... --config ...`` measures several
 configurations interleaved and reports each one's CPG and its ratio to the first. A configuration is
 ``name=NAME,url=URL[,KEY=VALUE...]``: the extra keys are ``server_args`` the server is switched to (SGLang's
-``/set_internal_state``) before each of its trials, so one server can be compared with itself in several
-modes, e.g. sglang-dsv4's prefix-cache modes::
+``/set_internal_state``, then ``/flush_cache``) before each of its trials, so one server can be compared with
+itself in several modes, every trial from an empty cache, e.g. sglang-dsv4's prefix-cache modes::
 
     dsv4 agentperf compare --scale cpu \\
       --config name=exact,url=http://127.0.0.1:30000,dsv4_prefix_hits=exact,dsv4_window_policy=per_request \\

@@ -3,7 +3,7 @@
 ``ChatServer`` speaks the OpenAI chat API (any OpenAI-compatible server: SGLang, vLLM, ...);
 ``GenerateServer`` speaks SGLang's ``/generate`` with token ids from the model's chat template. Both ask
 for exactly the turn's output length (``ignore_eos``) and stream. Mode switches go through SGLang's admin
-route ``POST /set_internal_state`` and are read back from ``GET /server_info``.
+routes: ``POST /set_internal_state``, then ``/flush_cache``, then the modes read back from ``GET /server_info``.
 
 Only loopback servers are driven: the benchmark sends heavy sustained traffic, so it runs on the host it
 measures.
@@ -119,30 +119,42 @@ class _HttpServer:
             raise ServerError(f"{route}: {type(error).__name__}: {error}") from error
 
     async def apply(self, server_args: dict[str, Any]) -> dict[str, Any] | None:
-        """``POST /set_internal_state`` (dsv4 modes named in words are sent as their codes), then the
-        ``dsv4_prefix_cache`` modes read back, by name, from ``/server_info``.
+        """``POST /set_internal_state`` (dsv4 modes named in words are sent as their codes), ``/flush_cache``,
+        then the ``dsv4_prefix_cache`` modes read back, by name, from ``/server_info``.
 
+        The flush makes every trial start from an empty prefix cache: configurations sharing a server replay
+        the same seeded workload, so each would otherwise resume the prompts the previous one just cached.
         SGLang answers a list with one ``updated`` flag per scheduler (``{"updated": ...}`` is accepted
         too). Keys named ``dsv4_<mode>`` must read back as ``internal_states[0]["dsv4_prefix_cache"][<mode>]``.
         """
         try:
             async with asyncio.timeout(ADMIN_TIMEOUT_S):
-                async with self.session.post(
-                    f"{self.url}/set_internal_state", json={"server_args": _numeric(server_args)}
-                ) as reply:
-                    answer = await reply.json(content_type=None)
+                await self._set_internal_state(server_args)
+                await self._flush_cache()
                 async with self.session.get(f"{self.url}/server_info") as reply:
                     info = await reply.json(content_type=None)
         except (aiohttp.ClientError, json.JSONDecodeError, TimeoutError) as error:
             raise ServerError(f"switching {self.url} to {server_args}: {error}") from error
-        flags = answer if isinstance(answer, list) else [answer.get("updated") if isinstance(answer, dict) else None]
-        if not flags or not all(flag is True for flag in flags):
-            raise ServerError(f"{self.url} refused server_args {server_args}: {str(answer)[:300]}")
         modes = (info.get("internal_states") or [{}])[0].get("dsv4_prefix_cache")
         for key, value in server_args.items():
             if key.startswith("dsv4_") and (modes or {}).get(key.removeprefix("dsv4_")) != value:
                 raise ServerError(f"{self.url} reports dsv4_prefix_cache {modes} after setting {key}={value!r}")
         return modes
+
+    async def _set_internal_state(self, server_args: dict[str, Any]) -> None:
+        async with self.session.post(
+            f"{self.url}/set_internal_state", json={"server_args": _numeric(server_args)}
+        ) as reply:
+            answer = await reply.json(content_type=None)
+        flags = answer if isinstance(answer, list) else [answer.get("updated") if isinstance(answer, dict) else None]
+        if not flags or not all(flag is True for flag in flags):
+            raise ServerError(f"{self.url} refused server_args {server_args}: {str(answer)[:300]}")
+
+    async def _flush_cache(self) -> None:
+        # SGLang flushes only an idle server; ``timeout`` waits for the last trial's requests to end.
+        async with self.session.post(f"{self.url}/flush_cache", params={"timeout": ADMIN_TIMEOUT_S / 2}) as reply:
+            if reply.status != 200:
+                raise ServerError(f"{self.url} did not flush its cache: {(await reply.text())[:300]}")
 
 
 def _numeric(server_args: dict[str, Any]) -> dict[str, Any]:

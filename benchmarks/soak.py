@@ -1,11 +1,12 @@
 """Soak: the tiny V4 server under agentic load for a long stretch, then idle again.
 
-Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API, the
-server's own replies kept in the history) with ``--concurrency`` agents (the largest
-that met the SLO in the AgentPerf run, see ``benchmarks/RESULTS.md``) for ``--minutes``,
-then reports: errors (must be none), latency drift between the first and the last five
-minutes (TTFT p50/p90 and output speed), and the pools once the load stopped and after
-``/flush_cache`` (free plus evictable must cover every pool, and flushed every pool must
+Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API, the server's
+own replies kept in the history) with ``--concurrency`` agents (the largest that met the SLO
+in the AgentPerf run, see ``benchmarks/RESULTS.md``) for ``--minutes``, then reports: errors
+(must be none); a timeline of five-minute windows (prompt length, share cached, TTFT p50/p90
+and output speed of the turns sent in it; the pools, checkpoints and reference-count audit at
+its end); the drift between the first and the last window; the pools once the load stopped and
+after ``/flush_cache`` (free plus evictable must cover every pool, and flushed every pool must
 be back at the idle baseline taken before the load). The server it starts is the AgentPerf
 run's: one torch thread, the same 16,384-token pool.
 
@@ -33,72 +34,111 @@ from sglang_dsv4.tiny import build_checkpoint
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agentic_trajectories.jsonl.gz"
 WARMUP_S = 30.0
-WINDOW_S = 300.0  # the first and last five minutes compared for drift
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384")
+WINDOW_S = 300.0  # the timeline's windows; drift compares the first and the last
+SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384", "--enable-cache-report")
 
 
-def pools(url: str) -> dict:
-    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_pools"]
+def server_state(url: str) -> dict:
+    """The dsv4 part of ``/server_info``: ``dsv4_pools`` and ``dsv4_prefix_cache``."""
+    state = requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]
+    return {key: state[key] for key in ("dsv4_pools", "dsv4_prefix_cache")}
 
 
 def free_counts(usage: dict) -> dict[str, int]:
     return {name: kind["free"] for name, kind in usage.items() if isinstance(kind, dict) and "free" in kind}
 
 
-async def load(url: str, concurrency: int, seconds: float) -> list[TurnRecord]:
+async def load(url: str, concurrency: int, seconds: float) -> tuple[list[TurnRecord], list[tuple[float, dict]]]:
+    """Every turn of the load, and the server's state sampled at the end of every window (trial clock)."""
     trajectories = load_sessions(DATA, SCALES["cpu"], ToolLatency(), seed=0)
     plan = TrialPlan(concurrency, WARMUP_S, seconds, request_timeout_s=120.0, served_history=True, seed=0)
+    samples: list[tuple[float, dict]] = []
+
+    async def sample() -> None:
+        started = asyncio.get_running_loop().time()
+        for end in window_ends(seconds):
+            await asyncio.sleep(max(0.0, started + end - asyncio.get_running_loop().time()))
+            samples.append((end, await asyncio.to_thread(server_state, url)))
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         server = ChatServer(url, session, await first_model(url, session))
-        return (await run_trial(server, trajectories, plan, RequestBudget(10**9))).records
+        sampler = asyncio.create_task(sample())
+        trial = await run_trial(server, trajectories, plan, RequestBudget(10**9))
+        await sampler  # its last sample is at the window's end, which the trial outlasts
+    return trial.records, samples
+
+
+def window_ends(seconds: float) -> list[float]:
+    count = max(1, round(seconds / WINDOW_S))
+    return [WARMUP_S + seconds * (k + 1) / count for k in range(count)]
 
 
 def window_figures(records: list[TurnRecord]) -> dict[str, float]:
     ttfts = sorted(r.ttft_s for r in records)
     speeds = [(r.output_tokens - 1) / r.decode_s for r in records if r.output_tokens > 1 and r.decode_s > 0]
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in records)
     return {
         "turns": len(records),
+        "prompt_tokens": prompt_tokens / len(records),
+        "cached": sum(r.cached_tokens or 0 for r in records) / max(1, prompt_tokens),
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
         "speed_p50_tok_s": statistics.median(speeds),
     }
 
 
+def timeline_row(label: str, figures: dict[str, float], state: dict) -> str:
+    pools, cache = state["dsv4_pools"], state["dsv4_prefix_cache"]
+    tokens, window = pools["token_slots"], pools["window_slots"]
+    return (
+        f"| {label} | {figures['turns']} | {figures['prompt_tokens']:.0f} | {figures['cached']:.0%}"
+        f" | {figures['ttft_p50_s']:.3f} | {figures['ttft_p90_s']:.3f}"
+        f" | {figures['speed_p50_tok_s']:.1f} | {tokens['free'] + tokens['evictable']:,} of {tokens['total']:,}"
+        f" | {window['free']:,} of {window['total']:,} | {cache['checkpoints']:,}"
+        f" | {sum(cache['rows_miscounted'].values())} |"
+    )
+
+
 def soak(url: str, concurrency: int, minutes: float) -> str:
     requests.post(f"{url}/flush_cache", timeout=30)
-    baseline = free_counts(pools(url))
+    baseline = free_counts(server_state(url)["dsv4_pools"])
     started = time.time()
-    records = asyncio.run(load(url, concurrency, minutes * 60))
+    records, samples = asyncio.run(load(url, concurrency, minutes * 60))
     measured = [r for r in records if r.measured]
     errors = [r for r in records if r.error]
     done = [r for r in measured if r.error is None]
-    end = WARMUP_S + minutes * 60
-    first = window_figures([r for r in done if r.sent_at < WARMUP_S + WINDOW_S])
-    last = window_figures([r for r in done if r.sent_at >= end - WINDOW_S])
-    after_load = pools(url)
-    token_slots = after_load["token_slots"]
+    windows, begin = [], WARMUP_S
+    for end, state in samples:
+        windows.append((begin, end, window_figures([r for r in done if begin <= r.sent_at < end]), state))
+        begin = end
+    first, last = windows[0][2], windows[-1][2]
+    after_load = server_state(url)
+    token_slots = after_load["dsv4_pools"]["token_slots"]
     requests.post(f"{url}/flush_cache", timeout=30)
-    flushed = free_counts(pools(url))
+    flushed = free_counts(server_state(url)["dsv4_pools"])
     lines = [
         f"Soak: {concurrency} agents, {minutes:g} minutes measured after a {WARMUP_S:g} s warm-up"
         f" ({time.time() - started:.0f} s in all), recorded sessions at the CPU scale, chat API.",
         "",
         f"- turns: {len(records)} sent, {len(measured)} measured; errors: {len(errors)}"
         + (f" (first: {errors[0].error})" if errors else ""),
-        "- drift, first vs last five minutes:",
+        "- timeline (turns sent in each window; the server's state at the window's end):",
         "",
-        "| window | turns | TTFT p50 (s) | TTFT p90 (s) | output speed p50 (tok/s) |",
-        "|---|---|---|---|---|",
+        "| minutes | turns | prompt tokens (mean) | cached | TTFT p50 (s) | TTFT p90 (s) | output speed p50 (tok/s)"
+        " | token slots free + evictable | window slots free | checkpoints | rows miscounted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {name} | {f['turns']} | {f['ttft_p50_s']:.3f} | {f['ttft_p90_s']:.3f} | {f['speed_p50_tok_s']:.1f} |"
-            for name, f in (("first 5 min", first), ("last 5 min", last))
+            timeline_row(f"{(b - WARMUP_S) / 60:.0f}-{(e - WARMUP_S) / 60:.0f}", figures, state)
+            for b, e, figures, state in windows
         ),
-        f"| last / first | | {last['ttft_p50_s'] / first['ttft_p50_s']:.3f} |"
-        f" {last['ttft_p90_s'] / first['ttft_p90_s']:.3f} | {last['speed_p50_tok_s'] / first['speed_p50_tok_s']:.3f} |",
         "",
+        f"- drift, last window / first: TTFT p50 {last['ttft_p50_s'] / first['ttft_p50_s']:.3f},"
+        f" TTFT p90 {last['ttft_p90_s'] / first['ttft_p90_s']:.3f},"
+        f" output speed p50 {last['speed_p50_tok_s'] / first['speed_p50_tok_s']:.3f}",
         f"- pools once the load stopped: token slots free {token_slots['free']:,} + evictable"
         f" {token_slots['evictable']:,} of {token_slots['total']:,}"
-        f" ({'all' if token_slots['free'] + token_slots['evictable'] == token_slots['total'] else 'NOT all'})",
+        f" ({'all' if token_slots['free'] + token_slots['evictable'] == token_slots['total'] else 'NOT all'});"
+        f" rows whose reference count differs from their holders: {after_load['dsv4_prefix_cache']['rows_miscounted']}",
         f"- after /flush_cache, every pool back at the idle baseline: {flushed == baseline}"
         + ("" if flushed == baseline else f" (baseline {baseline}, now {flushed})"),
     ]

@@ -210,6 +210,20 @@ def test_search_outvotes_one_noisy_trial_at_the_boundary():
     assert cpg == 4
 
 
+def test_a_search_cut_short_reports_only_levels_whose_trials_mostly_passed():
+    search = CpgSearch(max_concurrency=64, trials=3)
+    steps = search.steps()
+    assert next(steps) == 1
+    for verdict in (True, True, True, True, False, True):  # 1, 2, 4, 8 pass, 16 fails, 12 passes once
+        steps.send(verdict)
+    assert search.passing == 12 and search.outcomes[12] == [True]
+    assert search.lower_bound() == 12
+    assert steps.send(False) == 13  # 14 fails
+    assert steps.send(False) == 12  # 13 fails; 12 is being confirmed
+    steps.send(False)  # its trials are tied: one pass, one fail
+    assert search.outcomes[12] == [True, False] and search.lower_bound() == 8
+
+
 def test_search_stops_at_its_maximum_and_at_zero():
     assert drive(CpgSearch(max_concurrency=6, trials=1), lambda c, _: True) == (6, [1, 2, 4, 6])
     assert drive(CpgSearch(max_concurrency=6, trials=3), lambda c, _: False) == (0, [1, 1])

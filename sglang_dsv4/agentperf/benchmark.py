@@ -147,7 +147,7 @@ async def run_benchmark(
                 del pending[index]
                 outcome.cpg_concurrency, outcome.complete = done.value, True
     for index in pending:
-        result.configurations[index].cpg_concurrency = searches[index].passing
+        result.configurations[index].cpg_concurrency = searches[index].lower_bound()
     _summarize(result.configurations, settings.gpus)
     return result
 

@@ -50,6 +50,16 @@ class CpgSearch:
                 failing = probe
         return failing
 
+    def lower_bound(self) -> int:
+        """For a search cut short: the largest level whose trials so far mostly passed, as did every level tried
+        below it (a level being confirmed with its trials tied does not count)."""
+        bound = 0
+        for concurrency in sorted(self.outcomes):
+            if not self._passes(concurrency):
+                break
+            bound = concurrency
+        return bound
+
     def _judge(self, concurrency: int, confirm: bool) -> Generator[int, bool, bool]:
         """Run trials at ``concurrency`` until it has one (or, to ``confirm``, a majority); return its verdict."""
         results = self.outcomes.setdefault(concurrency, [])

@@ -26,6 +26,7 @@ import aiohttp
 import requests
 
 from sglang_dsv4.agentperf.replay import RequestBudget, TrialPlan, TurnRecord, run_trial
+from sglang_dsv4.agentperf.report import cached_share
 from sglang_dsv4.agentperf.server import ChatServer, first_model
 from sglang_dsv4.agentperf.traces import load_sessions
 from sglang_dsv4.agentperf.trajectory import SCALES, ToolLatency
@@ -80,7 +81,7 @@ def window_figures(records: list[TurnRecord]) -> dict[str, float]:
     return {
         "turns": len(records),
         "prompt_tokens": prompt_tokens / len(records),
-        "cached": sum(r.cached_tokens or 0 for r in records) / max(1, prompt_tokens),
+        "cached": cached_share(records) or 0.0,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
         "speed_p50_tok_s": statistics.median(speeds),

@@ -4,9 +4,9 @@ Each server first gets one untimed request. Configurations then take turns, one 
 drift in the host's speed touches all of them alike; a configuration with ``server_args`` has its server
 switched to them, and its prefix cache emptied, before each of its trials (several configurations may share
 one URL: one server, modes switched at run time). Trial ``r`` at concurrency ``c`` replays the same seeded
-workload for every configuration. The run stops starting trials when the next one's window would pass ``max_seconds`` or
-``max_requests`` is spent; a trial cut short decides nothing, and the searches it interrupts report the
-largest level passed so far, as incomplete.
+workload for every configuration. The run stops starting trials when the next one's window would pass
+``max_seconds`` or ``max_requests`` is spent; a trial cut short decides nothing, and the searches it
+interrupts report their lower bound (``CpgSearch.lower_bound``), as incomplete.
 """
 
 from __future__ import annotations

@@ -73,16 +73,20 @@ def _level_row(outcome: ConfigurationResult, concurrency: int) -> str:
         f"| {outcome.configuration.name} | {concurrency} | {sum(t.passed for t in trials)}/{len(trials)} | "
         f"{_two(min(speeds), statistics.median(speeds), '.1f') if speeds else 'n/a'} | "
         f"{_two(statistics.median(ttfts), max(ttfts), '.2f') if ttfts else 'n/a'} | {len(measured)} | "
-        f"{sum(r.error is not None for r in measured)} | {_cached_share(measured)} |"
+        f"{sum(r.error is not None for r in measured)} | {_percent(cached_share(measured))} |"
     )
 
 
-def _cached_share(records: list[TurnRecord]) -> str:
-    """Share of prompt tokens the server reports as prefix-cache hits (``n/a`` where it reports none)."""
+def cached_share(records: list[TurnRecord]) -> float | None:
+    """Share of prompt tokens the server reports as prefix-cache hits (``None`` where it reports none)."""
     reported = [r for r in records if r.cached_tokens is not None and r.prompt_tokens]
     if not reported:
-        return "n/a"
-    return f"{sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported):.0%}"
+        return None
+    return sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.0%}"
 
 
 def _two(first: float, second: float, spec: str) -> str:

@@ -1,7 +1,7 @@
 """The compressor kernel against the torch reference (:class:`sglang_dsv4.model.compressor.Compressor`),
 under Triton's interpreter (in a process of its own: see ``kernel_testing``). The references
-run in float64 from the same inputs (projected in float64, so bf16 cases carry the
-projections' rounding in their tolerance).
+pool the kernel's own projections in float64, so a tolerance measures the kernel's arithmetic
+(bf16 cases: its bf16 outputs and state), not the projections' rounding.
 
 State rows the position says must be empty are poisoned with NaN (the kernel must not read
 them), rows outside the batch must come back untouched, and outputs start as NaN.
@@ -73,14 +73,16 @@ class Reference:
     """A float64 copy of a compressor and its state, advanced by the torch reference."""
 
     def __init__(self, compressor: Compressor):
+        self.projected_by = compressor
         self.compressor = copy.deepcopy(compressor).double()
         self.state = self.compressor.new_state(torch.float64, "cpu")
 
     def advance(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """The entries tokens ``start ..`` complete."""
+        """The entries tokens ``start ..`` complete, pooled from the projections the kernel gets."""
+        kv, gate = projections(self.projected_by, x)
         before = self.state.entries.shape[0]
         with torch.no_grad():
-            self.compressor.advance_reference(x.double(), start, self.state)
+            self.compressor.pool_reference(kv.double(), gate.double(), start, self.state)
         return self.state.entries[before:]
 
 

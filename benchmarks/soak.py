@@ -1,16 +1,19 @@
 """Soak: the tiny V4 server under agentic load for a long stretch, then idle again.
 
-Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API, the server's
-own replies kept in the history) with ``--concurrency`` agents (the largest that met the SLO
-in the AgentPerf run, see ``benchmarks/RESULTS.md``) for ``--minutes``, then reports: errors
+Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API) with
+``--concurrency`` agents (the largest that met the SLO in the AgentPerf run, see
+``benchmarks/RESULTS.md``) for ``--minutes``, then reports: errors
 (must be none); a timeline of five-minute windows (prompt length, share cached, TTFT p50/p90
 and output speed of the turns sent in it; the pools, checkpoints and reference-count audit at
 its end); the drift between the first and the last window; the pools once the load stopped and
 after ``/flush_cache`` (free plus evictable must cover every pool, and flushed every pool must
 be back at the idle baseline taken before the load). The server it starts is the AgentPerf
-run's: one torch thread, the same 16,384-token pool.
+run's: one torch thread, the same 16,384-token pool. ``--history`` is ``dsv4 agentperf``'s:
+``recorded`` (the default) is the load the CPG was measured with; ``served`` keeps the server's
+own replies in each history, as a real agent does, which makes longer prompts than the recorded
+replies.
 
-    python benchmarks/soak.py [--minutes 30] [--concurrency 2] [--url URL] [--out FILE]
+    python benchmarks/soak.py [--minutes 30] [--concurrency 2] [--history recorded|served] [--url URL] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import requests
 from sglang_dsv4.agentperf.replay import RequestBudget, TrialPlan, TurnRecord, run_trial
 from sglang_dsv4.agentperf.report import cached_share
 from sglang_dsv4.agentperf.server import ChatServer, first_model
+from sglang_dsv4.agentperf.slo import nearest_rank
 from sglang_dsv4.agentperf.traces import load_sessions
 from sglang_dsv4.agentperf.trajectory import SCALES, ToolLatency
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
@@ -49,10 +53,12 @@ def free_counts(usage: dict) -> dict[str, int]:
     return {name: kind["free"] for name, kind in usage.items() if isinstance(kind, dict) and "free" in kind}
 
 
-async def load(url: str, concurrency: int, seconds: float) -> tuple[list[TurnRecord], list[tuple[float, dict]]]:
+async def load(
+    url: str, concurrency: int, seconds: float, served_history: bool
+) -> tuple[list[TurnRecord], list[tuple[float, dict]]]:
     """Every turn of the load, and the server's state sampled at the end of every window (trial clock)."""
     trajectories = load_sessions(DATA, SCALES["cpu"], ToolLatency(), seed=0)
-    plan = TrialPlan(concurrency, WARMUP_S, seconds, request_timeout_s=120.0, served_history=True, seed=0)
+    plan = TrialPlan(concurrency, WARMUP_S, seconds, request_timeout_s=120.0, served_history=served_history, seed=0)
     samples: list[tuple[float, dict]] = []
 
     async def sample() -> None:
@@ -75,7 +81,7 @@ def window_ends(seconds: float) -> list[float]:
 
 
 def window_figures(records: list[TurnRecord]) -> dict[str, float]:
-    ttfts = sorted(r.ttft_s for r in records)
+    ttfts = [r.ttft_s for r in records]
     speeds = [(r.output_tokens - 1) / r.decode_s for r in records if r.output_tokens > 1 and r.decode_s > 0]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in records)
     return {
@@ -83,7 +89,7 @@ def window_figures(records: list[TurnRecord]) -> dict[str, float]:
         "prompt_tokens": prompt_tokens / len(records),
         "cached": cached_share(records) or 0.0,
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p90_s": ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
+        "ttft_p90_s": nearest_rank(ttfts, 0.9),
         "speed_p50_tok_s": statistics.median(speeds),
     }
 
@@ -100,11 +106,11 @@ def timeline_row(label: str, figures: dict[str, float], state: dict) -> str:
     )
 
 
-def soak(url: str, concurrency: int, minutes: float) -> str:
+def soak(url: str, concurrency: int, minutes: float, history: str) -> str:
     requests.post(f"{url}/flush_cache", timeout=30)
     baseline = free_counts(server_state(url)["dsv4_pools"])
     started = time.time()
-    records, samples = asyncio.run(load(url, concurrency, minutes * 60))
+    records, samples = asyncio.run(load(url, concurrency, minutes * 60, served_history=history == "served"))
     measured = [r for r in records if r.measured]
     errors = [r for r in records if r.error]
     done = [r for r in measured if r.error is None]
@@ -119,7 +125,8 @@ def soak(url: str, concurrency: int, minutes: float) -> str:
     flushed = free_counts(server_state(url)["dsv4_pools"])
     lines = [
         f"Soak: {concurrency} agents, {minutes:g} minutes measured after a {WARMUP_S:g} s warm-up"
-        f" ({time.time() - started:.0f} s in all), recorded sessions at the CPU scale, chat API.",
+        f" ({time.time() - started:.0f} s in all), recorded sessions at the CPU scale, chat API,"
+        f" {history} replies in the histories.",
         "",
         f"- turns: {len(records)} sent, {len(measured)} measured; errors: {len(errors)}"
         + (f" (first: {errors[0].error})" if errors else ""),
@@ -150,17 +157,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--history", choices=("recorded", "served"), default="recorded")
     parser.add_argument("--url", help="a running sglang-dsv4 server (default: start the tiny one)")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
     if args.url:
-        report = soak(args.url, args.concurrency, args.minutes)
+        report = soak(args.url, args.concurrency, args.minutes, args.history)
     else:
         with tempfile.TemporaryDirectory() as scratch:
             model = build_checkpoint(Path(scratch) / "tiny")
             log_path = Path(scratch) / "server.log"
             with running_server(model, *SERVER_ARGS, log_path=log_path, env=ONE_TORCH_THREAD) as url:
-                report = soak(url, args.concurrency, args.minutes)
+                report = soak(url, args.concurrency, args.minutes, args.history)
     print(report)
     if args.out:
         args.out.write_text(report + "\n")

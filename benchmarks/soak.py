@@ -1,17 +1,15 @@
 """Soak: the tiny V4 server under agentic load for a long stretch, then idle again.
 
-Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API) with
-``--concurrency`` agents (the largest that met the SLO in the AgentPerf run, see
-``benchmarks/RESULTS.md``) for ``--minutes``, then reports: errors
-(must be none); a timeline of five-minute windows (prompt length, share cached, TTFT p50/p90
-and output speed of the turns sent in it; the pools, checkpoints and reference-count audit at
-its end); the drift between the first and the last window; the pools once the load stopped and
-after ``/flush_cache`` (free plus evictable must cover every pool, and flushed every pool must
-be back at the idle baseline taken before the load). The server it starts is the AgentPerf
-run's: one torch thread, the same 16,384-token pool. ``--history`` is ``dsv4 agentperf``'s:
-``recorded`` (the default) is the load the CPG was measured with; ``served`` keeps the server's
-own replies in each history, as a real agent does, which makes longer prompts than the recorded
-replies.
+Replays the recorded agent sessions (``dsv4 agentperf``'s CPU scale, chat API) with ``--concurrency`` agents
+(the largest that met the SLO in the AgentPerf run, see ``benchmarks/RESULTS.md``) for ``--minutes``, then
+reports: errors (must be none); a timeline of five-minute windows (prompt length, share cached, TTFT p50/p90
+and output speed of the turns sent in it; the pools, checkpoints and reference-count audit at its end); the
+drift between the first and the last window; the pools once the load stopped and after ``/flush_cache`` (free
+plus evictable must cover every pool, and flushed every pool must be back at the idle baseline taken before
+the load). The server it starts is the AgentPerf run's: one torch thread, the same 16,384-token pool.
+``--history`` is ``dsv4 agentperf``'s: ``recorded`` (the default) is the load the CPG was measured with;
+``served`` keeps the server's own replies in each history, as a real agent does (on the tiny model: longer
+prompts, less of each cached).
 
     python benchmarks/soak.py [--minutes 30] [--concurrency 2] [--history recorded|served] [--url URL] [--out FILE]
 """

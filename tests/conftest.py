@@ -13,7 +13,7 @@ from sglang_dsv4.tiny import build_checkpoint
 
 @pytest.fixture(autouse=True)
 def seeded_torch() -> None:
-    """Every test draws the same unseeded random inputs on every run, so a failure reproduces."""
+    """Torch's global generator starts from one seed in every test: its draws repeat, so a failure reproduces."""
     torch.manual_seed(0)
 
 

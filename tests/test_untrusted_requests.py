@@ -24,7 +24,12 @@ from hypothesis import strategies as st
 from serving_checks import assert_healthy, assert_pools_idle, greedy
 
 from sglang_dsv4.launch import running_server
-from sglang_dsv4.serving.validation import MAX_SAMPLES_PER_REQUEST, MAX_TOP_LOGPROBS
+from sglang_dsv4.serving.validation import (
+    MAX_LOGIT_BIAS,
+    MAX_SAMPLES_PER_REQUEST,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+)
 
 VOCAB = 1024
 FUZZ_SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "120"))
@@ -97,6 +102,40 @@ def test_empty_sampling_params_list_is_refused(server):
 def test_top_k_beyond_int32_is_refused(server):
     payload = {"input_ids": PROMPT, "sampling_params": {"top_k": 2**31}}
     assert_refused(post(server, "/generate", payload), "top_k", str(2**31 - 1))
+
+
+# The request the fuzzer found (with top_p and min_p set, the batch's sampling raised on NaN probabilities).
+NAN_LOGITS = {"repetition_penalty": 1.8e-201, "top_p": 0.49, "min_p": 0.15, "temperature": 0.95}
+
+
+@pytest.mark.parametrize(
+    "sampling,refusal",
+    [
+        (NAN_LOGITS, f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]"),
+        ({"repetition_penalty": 0.0}, f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]"),
+        ({"logit_bias": {"5": 1e308}}, f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
+        ({"logit_bias": {"5": -101}}, f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
+    ],
+)
+def test_sampling_values_that_make_the_logits_non_finite_are_refused_on_every_route(server, sampling, refusal):
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, **sampling}}
+    assert_refused(post(server, "/generate", payload), refusal)
+    completion = {"model": "tiny", "prompt": "fix", "max_tokens": 2, **sampling}
+    assert_refused(post(server, "/v1/completions", completion), refusal, '"object":"error"')
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "fix"}], "max_tokens": 2, **sampling}
+    assert_refused(post(server, "/v1/chat/completions", chat), refusal, '"object":"error"')
+
+
+def test_strongest_repetition_penalty_and_logit_bias_are_served(server):
+    strongest = {
+        "repetition_penalty": MIN_REPETITION_PENALTY,
+        "logit_bias": {"5": MAX_LOGIT_BIAS, "6": -MAX_LOGIT_BIAS},
+    }
+    sampling = {"max_new_tokens": 3, "top_p": 0.49, "min_p": 0.15, **strongest}
+    reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": sampling})
+    assert reply.status_code == 200, reply.text
+    output = reply.json()["output_ids"]
+    assert len(output) == 3 and output[0] == 5  # the bias forces the first token
 
 
 def test_logprob_start_below_minus_one_is_refused(server):

@@ -16,6 +16,9 @@ lets through, and what each did to a server on this machine before these checks:
   (n=1000 tied the tiny server up for minutes; n=10**9 would exhaust the HTTP process's memory);
   ``n`` below 1 was silently taken as 1 on ``/generate``;
 - ``logprob_start_len`` below -1: silently taken;
+- ``repetition_penalty`` a tiny positive number (upstream takes ``(0, 2]``) or a ``logit_bias`` value beyond
+  float32: the sampler's float32 logits become infinite or NaN, and the batch's sampling raises (every request
+  in the batch failed) or returns token 0;
 - ``sampling_params: []``: an ``IndexError`` while the request is normalized, answered as a 500;
 - input embeddings on DeepSeek-V4, whose first MoE layers route by token id (hash routing).
 
@@ -35,6 +38,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES_PER_REQUEST = 16
 # Sampling parameters travel to the sampler as int32 tensors.
 INT32_MAX = 2**31 - 1
+# The sampler divides float32 logits by the repetition penalty: from this floor up, logits below 3e32 stay
+# finite (a repeated token's logit is already multiplied by a million; a smaller penalty decides nothing more).
+MIN_REPETITION_PENALTY = 1e-6
+# OpenAI's range for a logit_bias value (-100 or 100 already bans or forces a token).
+MAX_LOGIT_BIAS = 100
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 
@@ -96,6 +104,8 @@ def _refuse_what_the_scheduler_cannot_run(manager, request, input_ids) -> None:
             top_logprobs_error("top_logprobs_num", request.top_logprobs_num),
             _logprob_start_error(request.logprob_start_len),
             _top_k_error(request.sampling_params.get("top_k")),
+            _repetition_penalty_error(request.sampling_params.get("repetition_penalty")),
+            _logit_bias_error(request.sampling_params.get("logit_bias")),
         ]
     if error := _first_error(*checks):
         raise ValueError(error)
@@ -141,6 +151,27 @@ def _top_k_error(top_k: Any) -> str | None:
     return None
 
 
+def _repetition_penalty_error(penalty: Any) -> str | None:
+    # Upstream refuses values outside (0, 2]; this raises the floor.
+    if _is_number(penalty) and penalty < MIN_REPETITION_PENALTY:
+        return f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2] (1 = no penalty); got {penalty}"
+    return None
+
+
+def _logit_bias_error(bias: Any) -> str | None:
+    # Upstream checks the keys (token ids); the values reach the float32 logits unchecked.
+    if not isinstance(bias, dict):
+        return None
+    for token, value in bias.items():
+        if _is_number(value) and not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            return f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]; got {value} for token {token}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _check_openai_completion(upstream_error: str | None, serving, request) -> str | None:
     """OpenAI ``/v1/completions``: the same bounds, under the OpenAI names (an AFTER hook; None keeps upstream's)."""
     if upstream_error:
@@ -149,6 +180,8 @@ def _check_openai_completion(upstream_error: str | None, serving, request) -> st
         sample_count_error("n", request.n),
         top_logprobs_error("logprobs", request.logprobs),
         _top_k_error(getattr(request, "top_k", None)),
+        _repetition_penalty_error(request.repetition_penalty),
+        _logit_bias_error(request.logit_bias),
     )
 
 
@@ -160,6 +193,8 @@ def _check_openai_chat(upstream_error: str | None, serving, request) -> str | No
         sample_count_error("n", request.n),
         top_logprobs_error("top_logprobs", request.top_logprobs),
         _top_k_error(getattr(request, "top_k", None)),
+        _repetition_penalty_error(request.repetition_penalty),
+        _logit_bias_error(request.logit_bias),
     )
 
 

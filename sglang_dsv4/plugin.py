@@ -205,7 +205,7 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
 
 
 def _report_pool_usage(result, controller, recv_req) -> None:
-    """Add the V4 pools' totals, free and evictable counts to ``/server_info``."""
+    """Add the V4 pools' totals, free and evictable counts, and the rank's resident weight bytes, to ``/server_info``."""
     from .memory_pool.pool import V4KVPool
 
     scheduler = controller.scheduler
@@ -226,7 +226,14 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         **pool.usage(),
         "allocated_bytes": pool.allocated_bytes,
     }
+    result.internal_state["dsv4_weights"] = {"resident_bytes": _resident_bytes(scheduler.tp_worker.model_runner.model)}
     if hasattr(scheduler.tree_cache, "modes"):
         tree = scheduler.tree_cache
         report = {**tree.modes(), **tree.checkpoint_report(), "rows_miscounted": tree.audit()}
         result.internal_state["dsv4_prefix_cache"] = report
+
+
+def _resident_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers on this rank (what the weight ledger predicts)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

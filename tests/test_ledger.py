@@ -125,3 +125,17 @@ def test_config_resolves_from_a_checkpoint_directory_or_a_config_file(tmp_path):
 def test_unknown_config_is_refused_naming_the_shipped_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"--config '.*missing': no such file or directory.*\['flash', 'pro'\]"):
         resolve_config(str(tmp_path / "missing"))
+
+
+def test_dsv4_ledger_prints_each_gpus_weights_and_the_sessions_its_pools_hold(capsys):
+    dsv4(["ledger", "--config", "flash", "--tp", "8", "--ep", "8", "--context", "27000"])
+    output = capsys.readouterr().out
+    per_gpu = output[output.index("per GPU: tp 8, ep 8 (32 expert slots of 256 per MoE layer)") :]
+    cells = dict(re.split(r"\s{2,}", line.strip()) for line in per_gpu.splitlines()[1:])
+    assert cells["weights on one GPU"].endswith("GiB") and float(cells["weights on one GPU"].split()[0]) < 25
+    assert int(cells["concurrent 27,000-token sessions"].replace(",", "")) > 100
+
+
+def test_dsv4_ledger_refuses_an_expert_parallel_size_that_does_not_divide_tp():
+    with pytest.raises(SystemExit, match=r"--ep-size \(3\) must divide --tp \(8\)"):
+        dsv4(["ledger", "--config", "flash", "--tp", "8", "--ep", "3"])

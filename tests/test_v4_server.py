@@ -220,6 +220,15 @@ def test_server_allocates_what_the_ledger_says(server, tiny_model):
     assert usage["allocated_bytes"] == expected
 
 
+def test_server_keeps_the_weight_bytes_the_ledger_says(server, tiny_model):
+    from sglang_dsv4.memory_pool.ledger import RankLedger
+    from sglang_dsv4.model.weight_layout import Parallelism
+
+    info = requests.get(f"{server}/server_info", timeout=30).json()["internal_states"][0]
+    ledger = RankLedger(tiny_model.config, Parallelism(), quantized=False, dtype=torch.float32)
+    assert info["dsv4_weights"]["resident_bytes"] == sum(ledger.weight_bytes().values())
+
+
 def test_more_work_than_the_pool_holds_queues_or_retracts_and_stays_exact(server):
     # Six requests of 1,100 tokens each against a 4,096-token pool: SGLang must queue or
     # retract some; every one still ends with its solo output, and every page comes back.

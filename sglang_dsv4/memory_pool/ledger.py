@@ -11,7 +11,14 @@ Two layouts side by side, for any V4 config:
   indexer keys in the KV dtype, the window as a per-request ring, and the compressor state
   as float32 online softmax pools (DESIGN.md, "The state of one request").
 
-``dsv4 ledger --config {flash,pro,PATH}`` prints the table (:func:`run`).
+A third table, per GPU (:class:`RankLedger`): the weights each of ``tp`` ranks keeps
+resident, read from :mod:`sglang_dsv4.model.weight_layout` (release formats and splits),
+what ``--mem-fraction-static`` of an H200 leaves for the pools, and how many sessions of a
+given length fit there. The KV pools are whole on every rank (one KV head, replicated as
+MLA's latent is), so KV bytes per token are per GPU.
+
+``dsv4 ledger --config {flash,pro,PATH} [--tp N --ep M --quantization fp8|none]`` prints
+the tables (:func:`run`).
 """
 
 from __future__ import annotations
@@ -26,10 +33,16 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DeepseekV4Config, load_config, named_config, parse_config
+from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
 from .layout import CHECKPOINTS_PER_REQUEST_ROW, PoolLayout
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_CONTEXTS = (131072, 1048576)
+# What nvidia-smi reports for one H200 (its datasheet's "141 GB").
+H200_BYTES = 143771 * 2**20
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+# --quantization: the release checkpoints' formats (FP8 dense, FP4 experts), or none (model dtype).
+QUANTIZATIONS = {"fp8": True, "none": False}
 
 # Reference KV entry (upstream SGLang's DSV4 "V4" KV layout): the non-rope dims in FP8 with
 # one UE8M0 scale byte per 64 of them, the rope dims in BF16, one pad byte. For head_dim 512
@@ -163,6 +176,94 @@ class KVLedger:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class RankLedger:
+    """What one of ``parallel.tp`` GPUs holds: its shard of the weights and the KV pools' room.
+
+    Routed experts: ``(n_routed_experts + redundant_experts) / ep`` slots a rank per MoE
+    layer, SGLang's EP layout with ``--ep-num-redundant-experts``.
+    """
+
+    config: DeepseekV4Config
+    parallel: Parallelism
+    quantized: bool
+    dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype = torch.bfloat16
+    redundant_experts: int = 0
+
+    @property
+    def experts_per_rank(self) -> int:
+        slots = self.config.n_routed_experts + self.redundant_experts
+        if slots % self.parallel.ep:
+            raise ValueError(
+                f"n_routed_experts + redundant experts ({slots}) must divide over --ep-size {self.parallel.ep}"
+            )
+        return slots // self.parallel.ep
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident weight bytes on one rank: routed experts, the rest of the layers, embedding and head."""
+        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
+        share = self.experts_per_rank / self.config.n_routed_experts  # exact: experts are equal in size
+        parts = {"routed experts": 0.0, "layers (attention, shared expert, router, mHC)": 0.0, "embedding, head": 0.0}
+        for spec in checkpoint_tensors(self.config, quantized=self.quantized):
+            size = spec.bytes_on_rank(self.parallel, dtype_bytes)
+            parts[_weight_part(spec)] += size * share if spec.expert else size
+        return {name: round(size) for name, size in parts.items()}
+
+    @property
+    def kv(self) -> PoolLayout:
+        return PoolLayout(self.config, self.kv_dtype)
+
+    def pool_bytes(self, mem_fraction_static: float) -> float:
+        """What SGLang's static share of an H200 leaves for the pools once the weights are in."""
+        return mem_fraction_static * H200_BYTES - sum(self.weight_bytes().values())
+
+    def session_bytes(self, context: int) -> float:
+        """One running session at ``context`` tokens with its share of the prefix cache's checkpoints."""
+        return self.kv.bytes_per_token * context + self.kv.bytes_per_request
+
+    def table(self, mem_fraction_static: float, contexts: Sequence[int], title: str) -> str:
+        weights = self.weight_bytes()
+        pools = self.pool_bytes(mem_fraction_static)
+        parallel, kv = self.parallel, self.kv
+        formats = "FP8 dense, FP4 experts" if self.quantized else f"all {_dtype_name(self.dtype)}"
+        rows = [
+            ("weights on one GPU", _gib(sum(weights.values()))),
+            *((f"  {name}", _gib(size)) for name, size in weights.items()),
+            (
+                f"static memory ({mem_fraction_static} of an H200's {_gib(H200_BYTES)})",
+                _gib(mem_fraction_static * H200_BYTES),
+            ),
+            ("left for the KV pools", _gib(pools)),
+            (f"KV bytes per token ({_dtype_name(self.kv_dtype)}, whole on every GPU)", f"{kv.bytes_per_token:,.0f} B"),
+            ("fixed bytes per request (running, with its checkpoints)", _mib(kv.bytes_per_request)),
+            *(
+                (
+                    f"concurrent {context:,}-token sessions",
+                    f"{max(0, math.floor(pools / self.session_bytes(context))):,}",
+                )
+                for context in contexts
+            ),
+        ]
+        heading = (
+            f"{title} per GPU: tp {parallel.tp}, ep {parallel.ep} ({self.experts_per_rank} expert slots of"
+            f" {self.config.n_routed_experts} per MoE layer), weights {formats}"
+        )
+        return "\n".join([heading, *_aligned(rows)])
+
+
+def _weight_part(spec: TensorSpec) -> str:
+    if spec.expert:
+        return "routed experts"
+    if spec.name in ("embed.weight", "head.weight"):
+        return "embedding, head"
+    return "layers (attention, shared expert, router, mHC)"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_config(spec: str) -> DeepseekV4Config:
     """A shipped config by name (``flash``, ``pro``), else a checkpoint directory or a config.json path.
 
@@ -193,6 +294,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_CONTEXTS),
         help="context lengths to total (default: 131072 1048576)",
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (SGLang's --tp; default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="of those, expert-parallel (SGLang's --ep-size; default 1)")
+    parser.add_argument(
+        "--ep-num-redundant-experts", type=int, default=0, help="redundant expert slots per MoE layer (default 0)"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default="fp8",
+        help="weights as released (fp8: FP8 dense, FP4 experts; the default) or none (all in bf16)",
+    )
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=DEFAULT_MEM_FRACTION_STATIC,
+        help=f"SGLang's static share of GPU memory, weights and pools (default {DEFAULT_MEM_FRACTION_STATIC})",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -200,8 +318,22 @@ def run(args: argparse.Namespace) -> None:
         config = resolve_config(args.config)
     except ConfigError as error:
         raise SystemExit(f"dsv4 ledger: {error}") from None
+    title = f"DeepSeek-V4 {args.config}"
     ledger = KVLedger(config, KV_DTYPES[args.kv_dtype])
-    print(ledger.table(args.context, title=f"DeepSeek-V4 {args.config}"))
+    try:
+        rank = RankLedger(
+            config,
+            Parallelism(args.tp, args.ep),
+            QUANTIZATIONS[args.quantization],
+            kv_dtype=ledger.kv_dtype,
+            redundant_experts=args.ep_num_redundant_experts,
+        )
+        per_gpu = rank.table(args.mem_fraction_static, args.context, title)
+    except ValueError as error:
+        raise SystemExit(f"dsv4 ledger: {error}") from None
+    print(ledger.table(args.context, title=title))
+    print()
+    print(per_gpu)
 
 
 def _context_length(text: str) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,9 @@ from conftest import random_ids
 from safetensors.torch import load_file, save_file
 
 from sglang_dsv4 import CheckpointError, load_model
+from sglang_dsv4.config import load_config
+from sglang_dsv4.model import loader
+from sglang_dsv4.model.checkpoint_check import check_checkpoint
 from sglang_dsv4.model.loader import FP4_BLOCK, FP8_BLOCK
 
 FP8_MAX = 448.0
@@ -212,3 +217,66 @@ def test_quantization_helpers_round_trip_exactly_representable_values():
     packed, scale = quantize_fp4(weight)
     assert torch.equal(dequantized_by_hand(packed, scale, (1, FP4_BLOCK)), weight)
     assert math.isclose(scale.float().item(), 1.0)
+
+
+def sharded_copy(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """The checkpoint as two shards with an index, as release checkpoints come."""
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in shards.items():
+        save_file({name: tensors[name] for name in part}, dst / file)
+        weight_map |= dict.fromkeys(part, file)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def test_sharded_checkpoint_loads_the_same_logits(tmp_path, tiny_path, release_tensors, ids):
+    path = sharded_copy(tiny_path, tmp_path / "sharded", dict(release_tensors))
+    assert torch.equal(logits_of(path, ids), logits_of(tiny_path, ids))
+
+
+def test_missing_shard_is_named_with_the_tensors_it_holds(tmp_path, tiny_path, release_tensors):
+    path = sharded_copy(tiny_path, tmp_path / "sharded", dict(release_tensors))
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"names shards that are not there: model-00002-of-00002\.safetensors"):
+        check_checkpoint(path, load_config(path))
+
+
+def test_routing_table_naming_experts_that_do_not_exist_is_refused(tmp_path, tiny_path, release_tensors):
+    table = release_tensors["layers.1.ffn.gate.tid2eid"].clone()
+    table[7, 1] = 8  # the tiny config has experts 0..7
+    path = copy_with_tensors(tiny_path, tmp_path / "bad", release_tensors | {"layers.1.ffn.gate.tid2eid": table})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.gate\.tid2eid: routes to expert ids in \[0, 8\]"):
+        check_checkpoint(path, load_config(path))
+
+
+def test_bad_checkpoints_are_refused_before_any_weight_is_read(tmp_path, tiny_path, release_tensors, monkeypatch):
+    read = []
+    monkeypatch.setattr(loader, "read_safetensors", lambda files: read.append(files) or iter(()))
+    path = copy_with_tensors(tiny_path, tmp_path / "bad", without(dict(release_tensors), "head.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['head\.weight'\]"):
+        load_model(path)
+    assert read == []
+
+
+def test_loading_holds_one_checkpoint_tensor_beyond_the_model(tiny_path, release_tensors):
+    """Each tensor is placed before the next is read: routed experts are not gathered to be stacked."""
+    model = load_model(tiny_path)
+    held_most = 0
+
+    def tracked():
+        nonlocal held_most
+        alive: list[weakref.ref] = []
+        for name, tensor in release_tensors.items():
+            tensor = tensor.clone()
+            storages = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+            held = sum(1 for r in alive if r() is not None and r().untyped_storage().data_ptr() not in storages)
+            held_most = max(held_most, held)
+            alive.append(weakref.ref(tensor))
+            yield name, tensor
+
+    loader.load_weights(model, tracked(), dtype=torch.float32)
+    assert held_most <= 1

@@ -83,20 +83,21 @@ def release_name(name: str) -> str:
 def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DeepseekV4:
-    """Build the network from ``path``'s ``config.json`` and load its safetensors."""
+    """Build the network from ``path``'s ``config.json`` and load its safetensors, shard by shard."""
+    from .checkpoint_check import check_checkpoint, shard_files
+
     config = load_config(path)
+    check_checkpoint(path, config)
     with torch.device("meta"):
         model = DeepseekV4(config)
     model = model.to_empty(device=device)
-    load_weights(model, read_safetensors(path), dtype=dtype)
+    load_weights(model, read_safetensors(shard_files(path)), dtype=dtype)
     model.eval()
     return model
 
 
-def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files")
+def read_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files``, one at a time (nothing else of a file is read before it is asked for)."""
     for file in files:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
@@ -104,35 +105,65 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype) -> None:
-    """Copy checkpoint tensors (any layout) into ``model``, converting to ``dtype``."""
+    """Copy checkpoint tensors (any layout) into ``model`` as they arrive, converting to ``dtype``.
+
+    Each tensor is placed (a routed expert into its slice of the stacked weights) before the
+    next is read, so loading holds one tensor beyond the model, and a quantized weight until
+    its scales arrive. What did not match is raised at the end, every tensor named.
+    """
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    loaded = _dequantized(_release_tensors(tensors))
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    for name, tensor in _dequantized(_release_tensors(tensors)):
+        seen.append((name, tuple(tensor.shape)))
+        target, expert = parameter_name(name)
+        param = params.get(target)
+        if param is None:
+            continue
+        expected = tuple(param.shape) if expert is None else tuple(param.shape[1:])
+        if expected == tuple(tensor.shape):
+            _place(param, tensor, expert, dtype)
+    problems = mismatches(model, seen)
+    if problems:
+        raise CheckpointError(f"checkpoint does not match the config:{problems}")
+
+
+def mismatches(model: DeepseekV4, tensors: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """What in ``tensors`` (release names, dequantized shapes) does not fill ``model``: one line each, or ''."""
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
     assigned: set[str] = set()
-    unexpected: list[str] = []
-    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    for name, tensor in loaded:
-        target, expert = _parameter_name(name)
+    experts: dict[str, set[int]] = defaultdict(set)
+    unexpected, wrong_shapes = [], []
+    for name, shape in tensors:
+        target, expert = parameter_name(name)
         if target not in params:
             unexpected.append(name)
+            continue
+        expected = tuple(params[target].shape) if expert is None else tuple(params[target].shape[1:])
+        if shape != expected:
+            wrong_shapes.append(f"{name}: shape {shape} in the checkpoint, {expected} expected")
         elif expert is None:
-            _copy(params[target], tensor, name, dtype)
             assigned.add(target)
         else:
-            experts[target][expert] = tensor
-    for target, by_expert in experts.items():
-        count = params[target].shape[0]
-        missing_experts = sorted(set(range(count)) - set(by_expert))
+            experts[target].add(expert)
+    lines = [f"\n  {line}" for line in wrong_shapes]
+    for target, present in sorted(experts.items()):
+        missing_experts = sorted(set(range(params[target].shape[0])) - present)
         if missing_experts:
-            raise CheckpointError(f"{target}: missing experts {missing_experts}")
-        _copy(params[target], torch.stack([by_expert[e] for e in range(count)]), target, dtype)
-        assigned.add(target)
-    missing = sorted(set(params) - assigned)
-    if missing or unexpected:
-        raise CheckpointError(
-            "checkpoint does not match the config:"
-            + (f"\n  missing tensors: {missing}" if missing else "")
-            + (f"\n  unexpected tensors: {sorted(unexpected)}" if unexpected else "")
-        )
+            lines.append(f"\n  {target}: missing experts {missing_experts}")
+        else:
+            assigned.add(target)
+    missing = sorted(set(params) - assigned - set(experts))
+    if missing:
+        lines.append(f"\n  missing tensors: {missing}")
+    if unexpected:
+        lines.append(f"\n  unexpected tensors: {sorted(unexpected)}")
+    return "".join(lines)
+
+
+def unstacked_experts(name: str) -> tuple[str, str] | None:
+    """``(layers.N.ffn.experts, gate_up_proj | down_proj)`` for HF's stacked expert tensors, else None."""
+    stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)", name)
+    return None if stacked is None else (stacked.group(1), stacked.group(2))
 
 
 def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,11 +174,11 @@ def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
         if name.startswith("mtp."):
             skipped += 1
             continue
-        stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)", name)
+        stacked = unstacked_experts(name)
         if stacked is None:
             yield name, tensor
             continue
-        prefix, kind = stacked.groups()
+        prefix, kind = stacked
         for expert, weight in enumerate(tensor):
             if kind == "down_proj":
                 yield f"{prefix}.{expert}.w2.weight", weight
@@ -159,27 +190,54 @@ def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
         logger.info("skipped %d multi-token-prediction (mtp.*) tensors", skipped)
 
 
+def scale_stem(name: str) -> str | None:
+    """``X`` for a block-scale tensor ``X.scale`` (or ``X.weight_scale_inv``), else None."""
+    for suffix in (".scale", ".weight_scale_inv"):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return None
+
+
 def _dequantized(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pair each quantized ``X.weight`` with its ``X.scale`` and yield it dequantized."""
+    """Pair each quantized ``X.weight`` with its ``X.scale`` and yield it dequantized as soon as both are in."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        if name.endswith((".scale", ".weight_scale_inv")):
-            scales[name.rsplit(".", 1)[0]] = tensor
-        elif name.endswith(".weight") and _is_quantized(tensor):
-            weights[name.removesuffix(".weight")] = tensor
+        stem = scale_stem(name)
+        if stem is not None:
+            scales[stem] = tensor
+        elif name.endswith(".weight") and is_quantized_dtype(tensor.dtype):
+            stem = name.removesuffix(".weight")
+            weights[stem] = tensor
         else:
             yield name, tensor
-    for stem in sorted(set(scales) - set(weights)):
+            continue
+        if stem in weights and stem in scales:
+            yield f"{stem}.weight", dequantize(weights.pop(stem), scales.pop(stem), stem)
+    for stem in sorted(scales):
         raise CheckpointError(f"{stem}: block scale without a quantized weight")
     for stem, weight in weights.items():
-        if stem not in scales:
-            raise CheckpointError(f"{stem}.weight is {weight.dtype} but has no '.scale' block scales")
-        yield f"{stem}.weight", dequantize(weight, scales[stem], stem)
+        raise CheckpointError(f"{stem}.weight is {weight.dtype} but has no '.scale' block scales")
 
 
-def _is_quantized(tensor: torch.Tensor) -> bool:
-    return tensor.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.int8, torch.uint8)
+def is_quantized_dtype(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.int8, torch.uint8)
+
+
+def expected_scale_shape(
+    dtype: torch.dtype, stored_shape: tuple[int, ...], scale_shape: tuple[int, ...], name: str
+) -> tuple[int, int]:
+    """The block grid of a quantized weight stored as ``dtype`` / ``stored_shape``; raises unless ``scale_shape`` is it."""
+    rows, cols = stored_shape if dtype == torch.float8_e4m3fn else (stored_shape[0], stored_shape[1] * 2)
+    block = (FP8_BLOCK, FP8_BLOCK) if dtype == torch.float8_e4m3fn else (1, FP4_BLOCK)
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_shape) != expected:
+        kind = "FP8" if block[0] == FP8_BLOCK else "FP4"
+        raise CheckpointError(
+            f"{name}: {kind} weight {(rows, cols)} needs scales of shape {expected}"
+            f" ({block[0]}x{block[1]} blocks), got {tuple(scale_shape)}"
+        )
+    return expected
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
@@ -187,19 +245,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") 
 
     Scales may be UE8M0 (``float8_e8m0fnu``, powers of two) or plain floats.
     """
+    expected_scale_shape(weight.dtype, tuple(weight.shape), tuple(scale.shape), name)
     scale = scale.float()
     if weight.dtype == torch.float8_e4m3fn:
         values, block = weight.float(), (FP8_BLOCK, FP8_BLOCK)
     else:
         values, block = _unpack_e2m1(weight), (1, FP4_BLOCK)
     rows, cols = values.shape
-    expected = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape) != expected:
-        kind = "FP8" if block[0] == FP8_BLOCK else "FP4"
-        raise CheckpointError(
-            f"{name}: {kind} weight {tuple(values.shape)} needs scales of shape {expected}"
-            f" ({block[0]}x{block[1]} blocks), got {tuple(scale.shape)}"
-        )
     expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return values * expanded
 
@@ -212,7 +264,7 @@ def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return values.flatten(-2)
 
 
-def _parameter_name(release: str) -> tuple[str, int | None]:
+def parameter_name(release: str) -> tuple[str, int | None]:
     """This package's parameter name for a release name, and the expert index if stacked."""
     expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight", release)
     if expert is not None:
@@ -221,12 +273,16 @@ def _parameter_name(release: str) -> tuple[str, int | None]:
     return re.sub(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$", r"\1hc_\2.\3", release), None
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, {tuple(param.shape)} expected")
+def _place(param: torch.Tensor, tensor: torch.Tensor, expert: int | None, dtype: torch.dtype) -> None:
+    """Write ``tensor`` into ``param`` (into its row ``expert`` of stacked experts) in ``dtype``."""
+    target_dtype = param.dtype if not param.is_floating_point() else dtype
     with torch.no_grad():
-        target_dtype = param.dtype if not param.is_floating_point() else dtype
-        param.data = tensor.to(device=param.device, dtype=target_dtype)
+        if expert is None:
+            param.data = tensor.to(device=param.device, dtype=target_dtype)
+            return
+        if param.dtype != target_dtype:
+            param.data = torch.empty(param.shape, dtype=target_dtype, device=param.device)
+        param.data[expert].copy_(tensor)
 
 
 def release_state_dict(model: DeepseekV4) -> dict[str, torch.Tensor]:

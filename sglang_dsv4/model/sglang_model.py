@@ -8,6 +8,7 @@ each request's state in the V4 pool.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation, get_global_expert_location_metadata
@@ -18,6 +19,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
 from ..config import parse_config
+from .checkpoint_check import check_checkpoint
 from .loader import load_weights
 from .network import DeepseekV4, run_blocks
 
@@ -85,4 +87,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """SGLang's weight iterator, after the checkpoint folder's headers are checked (nothing read yet)."""
+        folder = Path(getattr(self.config, "_name_or_path", ""))
+        if (folder / "config.json").is_file():
+            check_checkpoint(folder, self.v4_config)
         load_weights(self.network, weights, dtype=self.network.dtype)

@@ -16,7 +16,10 @@ torch 2.11, Triton 3.6, no SGLang needed). In one run it
    (ratio-4 entries of 512 and indexer keys of 128, ratio-128 entries of 512; the same for
    both models) and a prefill of 8192 tokens, against the model's torch reference;
 4. at batch 64 and 1024, times the post + pre's two launches alone and the post + pre at other
-   shapes of its partials pass.
+   shapes of its partials pass;
+5. at batch 64 and 1024, the post + pre on one rank's token shard under TP 2, 4 and 8 (the
+   residual sharded by tokens, ``sglang_dsv4/model/mhc_communicator.py``) against the whole
+   batch every rank runs after an all-reduce. ``--token-shards`` runs the ceilings and this alone.
 
 Our kernels are timed as served: captured in a CUDA graph, several calls per graph on distinct
 input sets (so the data of one call is not in L2 for the next), median over replays. The
@@ -533,6 +536,24 @@ def time_prefill(name: str, ceiling: dict[str, float]) -> dict:
     return row(f"compressor.prefill.{name}", "both", tokens, ours, reference, bytes_moved, flops, floor, bound)
 
 
+def token_shards(model: str, tokens: int, ceiling: dict[str, float]) -> list[dict]:
+    """The post + pre on ``ceil(tokens / tp)`` tokens (one rank's shard) against all ``tokens``."""
+    hidden = HIDDEN[model]
+    (full,) = time_mhc(model, tokens, ceiling, with_reference=False)
+    rows = []
+    for tp in (2, 4, 8):
+        shard = -(-tokens // tp)
+        (ours,) = time_mhc(model, shard, ceiling, with_reference=False)
+        bytes_moved, flops = mhc_bytes(shard, hidden, True), mhc_flops(shard, hidden, True)
+        floor, bound = floor_s(bytes_moved, flops, ceiling)
+        rows.append({
+            "model": model, "batch": tokens, "tp": tp, "shard_tokens": shard, "shard_us": ours["us"],
+            "full_batch_us": full["us"], "full_over_shard": full["us"] / ours["us"],
+            "shard_floor_us": floor * 1e6, "bound": bound, "of_floor": floor * 1e6 / ours["us"],
+        })  # fmt: skip
+    return rows
+
+
 def row(kernel, model, batch, ours, reference, bytes_moved, flops, floor, bound) -> dict:
     return {
         "kernel": kernel,
@@ -564,6 +585,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="batch 64 and 1024 only")
+    parser.add_argument("--token-shards", action="store_true", help="only the ceilings and the TP token shards")
     args = parser.parse_args()
     batches = (64, 1024) if args.quick else BATCHES
     torch.manual_seed(0)
@@ -574,6 +596,15 @@ def main() -> None:
     }
     section("ceilings", results, ceilings)
     ceiling = results["ceilings"]
+    for model in HIDDEN:
+        for batch in (64, 1024):
+            section(f"shards.mhc.{model}.{batch}", results, lambda m=model, b=batch: token_shards(m, b, ceiling))
+    if args.token_shards:
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "mhc_token_shards.json").write_text(json.dumps(results, indent=1, default=str))
+        print_token_shards(results)
+        return
     section("check.mhc", results, lambda: {f"{h}x{t}": check_mhc(h, t) for h in (4096, 7168) for t in (1, 64, 1024)})
     section(
         "check.compressor",
@@ -605,6 +636,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mhc_compressor.json").write_text(json.dumps(results, indent=1, default=str))
+    print_token_shards(results)
     copy_tb, matmul_tf = ceiling["copy_bytes_per_s"] / 1e12, ceiling["bf16_flops_per_s"] / 1e12
     print(f"\ncopy {copy_tb:.2f} TB/s, bf16 matmul {matmul_tf:.0f} TFLOP/s")
     header = ("kernel", "model", "batch", "us", "torch us", "speedup", "floor us", "of floor")
@@ -614,6 +646,19 @@ def main() -> None:
             f"{t['kernel']:34} {t['model']:5} {t['batch']:>5} {t['us']:9.2f} {t['torch_us']:10.1f} {t['speedup']:8.1f}"
             f" {t['floor_us']:9.2f} {t['of_floor']:8.1%} {t['bound']}"
         )
+
+
+def print_token_shards(results: dict) -> None:
+    print("\nmHC post + pre per rank: one token shard under TP against the whole batch")
+    print("{:5} {:>5} {:>3} {:>6} {:>9} {:>9} {:>7} {:>8} bound".format(
+        "model", "batch", "tp", "shard", "shard us", "full us", "ratio", "of floor"))  # fmt: skip
+    for key, rows in results.items():
+        if key.startswith("shards.") and isinstance(rows, list):
+            for r in rows:
+                print(
+                    f"{r['model']:5} {r['batch']:>5} {r['tp']:>3} {r['shard_tokens']:>6} {r['shard_us']:9.2f}"
+                    f" {r['full_batch_us']:9.2f} {r['full_over_shard']:7.2f} {r['of_floor']:8.1%} {r['bound']}"
+                )
 
 
 if __name__ == "__main__":

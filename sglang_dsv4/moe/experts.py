@@ -39,12 +39,44 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.zeros(experts, inner, hidden))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            token, slot = (experts == expert).nonzero(as_tuple=True)
-            hidden = clamped_swiglu(x[token] @ self.w1[expert].T, x[token] @ self.w3[expert].T, self.limit)
-            out.index_add_(0, token, (hidden @ self.w2[expert].T) * weights[token, slot, None].to(x.dtype))
-        return out
+        """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``; an expert id of -1 (not on this rank) adds nothing."""
+        return grouped_experts(x, weights, experts, self.w1, self.w2, self.w3, self.limit)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The routed experts as one grouped pass: ``x [T, H]``, ``weights, experts [T, k]`` -> ``[T, H]``.
+
+    The ``(token, slot)`` pairs are sorted by expert, so each expert's tokens are one contiguous
+    group and every expert runs one GEMM per projection over its group
+    (:func:`~sglang_dsv4.kernels.grouped_gated_mlp`: a grouped GEMM on CUDA, a loop over the
+    groups on the CPU after one read of their sizes). Pairs routed to -1 (an expert on another
+    rank) sort last, outside every group, and add nothing; the results are weighted and summed
+    back per token.
+    """
+    from ..kernels import grouped_gated_mlp
+
+    num_experts, top_k = w1.shape[0], experts.shape[1]
+    flat = experts.reshape(-1)
+    pair_expert = torch.where(flat >= 0, flat, num_experts)  # elsewhere: one past the last expert
+    pairs = torch.argsort(pair_expert, stable=True)  # (token, slot) pair indices, grouped by expert
+    # A scatter, not bincount: bincount reads its input's maximum back to the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    group_sizes = counts.scatter_add_(0, pair_expert, torch.ones_like(pair_expert))[:num_experts]
+    token_of_pair = pairs // top_k
+    hidden = grouped_gated_mlp(
+        x[token_of_pair], group_sizes, w1, w3, w2, lambda gate, up: clamped_swiglu(gate, up, limit)
+    )
+    local = (pair_expert[pairs] < num_experts)[:, None]
+    scaled = torch.where(local, hidden * weights.reshape(-1)[pairs, None].to(hidden.dtype), 0)
+    return torch.zeros_like(x).index_add_(0, token_of_pair, scaled.to(x.dtype))
 
 
 class MoE(nn.Module):

@@ -16,6 +16,8 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 from .settings import settings
 
+DISPATCH_KEY = "dsv4_cpu"
+
 
 class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """CPU through torch-native code paths only."""
@@ -26,6 +28,10 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
     def get_device(self, device_id: int = 0) -> str:
         # Core formats and compares this value as a device string ("cpu").
         return "cpu"
+
+    def get_dispatch_key_name(self) -> str:
+        # SGLang's fused ops look up forwards registered for this key first (the MoE's, moe/fused_moe.py).
+        return DISPATCH_KEY
 
     def get_default_attention_backend(self) -> str:
         return "torch_native"

@@ -77,8 +77,11 @@ def _register_model() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
     from .model.sglang_model import DeepseekV4ForCausalLM
+    from .moe.fused_moe import register_cpu_forward
+    from .platform import DISPATCH_KEY
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
+    register_cpu_forward(DISPATCH_KEY)
 
 
 def _register_attention_backend() -> None:

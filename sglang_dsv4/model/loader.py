@@ -21,9 +21,11 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from ..config import load_config
 from .network import DeepseekV4
@@ -104,18 +106,30 @@ def read_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
                 yield name, handle.get_tensor(name)
 
 
+@runtime_checkable
+class LoadsExperts(Protocol):
+    """A module that places its layer's routed experts itself (the served model's ``FusedMoE``)."""
+
+    def load(self, expert: int, projection: str, tensor: torch.Tensor) -> None: ...
+
+
 def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype) -> None:
     """Copy checkpoint tensors (any layout) into ``model`` as they arrive, converting to ``dtype``.
 
-    Each tensor is placed (a routed expert into its slice of the stacked weights) before the
-    next is read, so loading holds one tensor beyond the model, and a quantized weight until
-    its scales arrive. What did not match is raised at the end, every tensor named.
+    Each tensor is placed (a routed expert into its slice of the stacked weights, or handed to
+    the layer's :class:`LoadsExperts`) before the next is read, so loading holds one tensor
+    beyond the model, and a quantized weight until its scales arrive. What did not match is
+    raised at the end, every tensor named.
     """
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    params, expert_loaders = _parameters(model), _expert_loaders(model)
     seen: list[tuple[str, tuple[int, ...]]] = []
     for name, tensor in _dequantized(_release_tensors(tensors)):
         seen.append((name, tuple(tensor.shape)))
         target, expert = parameter_name(name)
+        owner, _, projection = target.rpartition(".")
+        if expert is not None and owner in expert_loaders:
+            expert_loaders[owner].load(expert, projection, tensor)
+            continue
         param = params.get(target)
         if param is None:
             continue
@@ -128,13 +142,18 @@ def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def mismatches(model: DeepseekV4, tensors: Iterable[tuple[str, tuple[int, ...]]]) -> str:
-    """What in ``tensors`` (release names, dequantized shapes) does not fill ``model``: one line each, or ''."""
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    """What in ``tensors`` (release names, dequantized shapes) does not fill ``model``: one line each, or ''.
+
+    Experts a :class:`LoadsExperts` module places are its own to check (it is handed each one).
+    """
+    params, expert_loaders = _parameters(model), _expert_loaders(model)
     assigned: set[str] = set()
     experts: dict[str, set[int]] = defaultdict(set)
     unexpected, wrong_shapes = [], []
     for name, shape in tensors:
         target, expert = parameter_name(name)
+        if expert is not None and target.rpartition(".")[0] in expert_loaders:
+            continue
         if target not in params:
             unexpected.append(name)
             continue
@@ -158,6 +177,17 @@ def mismatches(model: DeepseekV4, tensors: Iterable[tuple[str, tuple[int, ...]]]
     if unexpected:
         lines.append(f"\n  unexpected tensors: {sorted(unexpected)}")
     return "".join(lines)
+
+
+def _expert_loaders(model: nn.Module) -> dict[str, LoadsExperts]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoadsExperts)}
+
+
+def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, less those of :class:`LoadsExperts` modules."""
+    owned = tuple(f"{name}." for name in _expert_loaders(model))
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return {name: tensor for name, tensor in tensors.items() if not name.startswith(owned)} if owned else tensors
 
 
 def unstacked_experts(name: str) -> tuple[str, str] | None:

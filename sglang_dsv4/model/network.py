@@ -16,6 +16,7 @@ from torch import nn
 from ..config import DeepseekV4Config
 from ..kernels import mhc_post, mhc_post_pre, mhc_pre
 from ..moe import MoE
+from ..moe.experts import RoutedExperts
 from .attention import Attention
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
@@ -23,15 +24,25 @@ from .rope import Rotary
 from .state import RequestState
 
 
+ExpertsFactory = Callable[[DeepseekV4Config, int], nn.Module]
+
+
 class Block(nn.Module):
     """One layer: mHC around attention, then mHC around the MoE feed-forward (run by :func:`run_blocks`)."""
 
-    def __init__(self, config: DeepseekV4Config, layer: int, plain_rotary: Rotary, compress_rotary: Rotary):
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        layer: int,
+        plain_rotary: Rotary,
+        compress_rotary: Rotary,
+        routed_experts: ExpertsFactory,
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer, plain_rotary, compress_rotary)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, layer)
+        self.ffn = MoE(config, layer, routed_experts(config, layer))
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
@@ -59,13 +70,18 @@ def run_blocks(
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, config: DeepseekV4Config):
+    """The network; ``routed_experts(config, layer)`` builds each layer's routed experts (the torch
+    reference's stacked weights unless the SGLang model passes its ``FusedMoE``)."""
+
+    def __init__(
+        self, config: DeepseekV4Config, routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config)
+    ):
         super().__init__()
         self.config = config
         plain = Rotary(config.rope_head_dim, config.rope_theta, None)
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, plain, compress) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i, plain, compress, routed_experts) for i in range(config.num_layers))
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -11,14 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation, get_global_expert_location_metadata
-from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo, topk_ids_logical_to_physical
+from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
 from ..config import parse_config
+from ..moe.fused_moe import FusedRoutedExperts
 from .checkpoint_check import check_checkpoint
 from .loader import load_weights
 from .network import DeepseekV4, run_blocks
@@ -34,7 +34,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.v4_config = parse_config(config.to_dict())
-        self.network = DeepseekV4(self.v4_config)
+        self.network = DeepseekV4(
+            self.v4_config, routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config)
+        )
         self.logits_processor = LogitsProcessor(config)
 
     @torch.no_grad()
@@ -58,26 +60,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             network.layers,
             streams,
             attend=lambda layer, block, x: attention_backend.attend(block.attn, layer, x, forward_batch),
-            feed_forward=lambda layer, block, x: self._moe(layer, block.ffn, x, input_ids),
+            feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
         )
         hidden = network.norm(network.hc_head(streams))
         return self.logits_processor(input_ids, hidden, network.head, forward_batch)
-
-    @staticmethod
-    def _moe(layer: int, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The MoE, routed through SGLang's expert placement when one is in force.
-
-        Logical experts are mapped to physical slots as SGLang's dispatcher chooses
-        (``--init-expert-location``, ``--ep-dispatch-algorithm``); on one device every slot
-        holds its logical expert's weights, so the slot is read back as that expert.
-        """
-        weights, experts = moe.gate(x, input_ids)
-        dispatch = ExpertLocationDispatchInfo.init_new(layer_id=layer)
-        if dispatch is not None:
-            physical = topk_ids_logical_to_physical(experts, dispatch)
-            placement = get_global_expert_location_metadata()
-            experts = placement.physical_to_logical_map[layer].to(experts.device)[physical].long()
-        return moe.experts(x, weights, experts) + moe.shared_experts(x)
 
     @classmethod
     def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:

@@ -80,10 +80,11 @@ def grouped_experts(
 
 
 class MoE(nn.Module):
-    def __init__(self, config: DeepseekV4Config, layer: int):
+    def __init__(self, config: DeepseekV4Config, layer: int, experts: nn.Module):
+        """``experts``: the layer's routed experts, called as ``experts(x, weights, expert ids)``."""
         super().__init__()
         self.gate = Gate(config, hashed=config.is_hash_layer(layer))
-        self.experts = RoutedExperts(config)
+        self.experts = experts
         self.shared_experts = SharedExpert(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
         )

@@ -44,11 +44,11 @@ class HashLoadPredictor:
         bins = self._flat_tables.index_select(1, ids).flatten()
         return torch.bincount(bins, minlength=self.num_layers * self.num_experts).view(self.num_layers, -1)
 
-    def slot_counts(self, token_ids: torch.Tensor, placement: Placement) -> torch.Tensor:
-        """``[hash layers, num_slots]`` int64: tokens each physical slot receives under ``placement``.
+    def slots(self, token_ids: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """``[hash layers, tokens, top_k]`` int64: the physical slot each token's choice goes to.
 
-        Without replicas this is exact for any dispatch. A replicated expert's tokens are split
-        as SGLang's rank-invariant ``dynamic`` dispatch splits them (``--ep-dispatch-algorithm
+        Without replicas a choice has one slot. A replicated expert's tokens are split as
+        SGLang's rank-invariant ``dynamic`` dispatch splits them (``--ep-dispatch-algorithm
         dynamic`` without an all-to-all backend): token row ``i`` goes to the expert's replica
         ``i % replicas``, replicas in slot order. Other dispatch rules split the same total evenly
         on average.
@@ -58,7 +58,12 @@ class HashLoadPredictor:
         experts = self.tables.index_select(1, ids)  # [layers, T, top_k]
         layer = torch.arange(self.num_layers, device=ids.device)[:, None, None]
         row = torch.arange(ids.numel(), device=ids.device)[None, :, None]
-        slots = replica_slots[layer, experts, row % replicas[layer, experts]] + layer * placement.num_slots
+        return replica_slots[layer, experts, row % replicas[layer, experts]]
+
+    def slot_counts(self, token_ids: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """``[hash layers, num_slots]`` int64: tokens each physical slot receives under ``placement`` (:meth:`slots`)."""
+        layer = torch.arange(self.num_layers, device=self.tables.device)[:, None, None]
+        slots = self.slots(token_ids, placement) + layer * placement.num_slots
         return torch.bincount(slots.flatten(), minlength=self.num_layers * placement.num_slots).view(
             self.num_layers, -1
         )

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
-import triton
+from mhc_compressor import ceilings, time_eager, time_graph  # this folder's timing, one way for every kernel
 
 from sglang_dsv4.moe.experts import clamped_swiglu, grouped_experts
 
@@ -32,36 +31,6 @@ MODELS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168)}  # experts, inte
 TOP_K, LIMIT = 6, 10.0
 TOKENS = (64, 256, 1024, 4096)
 DTYPE = torch.bfloat16
-
-
-def time_eager(call) -> float:
-    return triton.testing.do_bench(call, warmup=5, rep=300, return_mode="median") / 1e3
-
-
-def time_graph(call, replays: int = 20) -> float:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def ceilings() -> dict[str, float]:
-    source = torch.randn(2**29, device="cuda")
-    target = torch.empty_like(source)
-    copy_s = time_eager(lambda: target.copy_(source))
-    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
-    matmul_s = time_eager(lambda: a @ a)
-    return {"copy_bytes_per_s": 2 * source.numel() * 4 / copy_s, "bf16_flops_per_s": 2 * 8192**3 / matmul_s}
 
 
 def expert_weights(experts: int, inner: int, hidden: int, dtype=DTYPE):
@@ -109,7 +78,7 @@ def time_layer(model: str, tokens: int, ceiling: dict[str, float]) -> dict:
     x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
     weights, chosen = routing(tokens, experts)
     touched = int(torch.unique(chosen).numel())
-    ours = time_graph(lambda: grouped_experts(x, weights, chosen, w1, w2, w3, LIMIT))
+    ours = time_graph([lambda: grouped_experts(x, weights, chosen, w1, w2, w3, LIMIT)])
     loop = time_eager(lambda: per_expert_loop(x, weights, chosen, w1, w2, w3, LIMIT))
     weight_bytes = touched * 3 * inner * hidden * 2
     flops = 2 * tokens * TOP_K * 3 * inner * hidden

@@ -45,6 +45,25 @@ def scheduler_model_config(path: Path, *, tp_size: int = 1, overrides: dict | No
     return model_runner.adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(), tp_size)
 
 
+def test_generated_configs_span_the_architecture():
+    raws = [random_v4_config(seed) for seed in SEEDS]
+    configs = [parse_config(raw) for raw in raws]
+    kinds = [[c.layer_kind(layer) for layer in range(c.num_layers)] for c in configs]
+    assert any("window" in k[1:-1] and k[0] != "window" and k[-1] != "window" for k in kinds)  # between compressed
+    assert any(k.index("hca") < k.index("csa") for k in kinds) and any(k.index("csa") < k.index("hca") for k in kinds)
+    assert {c.hca_rate for c in configs} == {16, 32, 128}
+    assert sum(len(raw.get("compress_ratios", [])) > raw["num_hidden_layers"] for raw in raws) >= 20  # MTP entry
+    assert {c.num_hash_layers for c in configs} == {1, 2, 3}
+    assert {c.o_groups for c in configs} > {1, 2, 3} and len({c.num_heads for c in configs}) >= 5
+    assert len({c.rope_head_dim / c.head_dim for c in configs}) >= 20
+    assert sum(c.moe_intermediate_size % 32 != 0 for c in configs) > 150
+    assert min(c.index_n_heads for c in configs) >= 32 and len({c.index_topk for c in configs}) >= 10
+    assert sum(c.swiglu_limit < 3 for c in configs) > 100  # clamps at this scale
+    for key in ("sliding_window", "swiglu_limit", "routed_scaling_factor", "hc_mult", "rope_theta"):
+        assert 20 <= sum(key not in raw for raw in raws) <= 180, key  # left to the default, or not
+    assert any("layer_types" in raw for raw in raws) and any("compress_ratios" in raw for raw in raws)
+
+
 def test_keys_left_out_read_as_transformers_defaults():
     from transformers import DeepseekV4Config as HFConfig
 

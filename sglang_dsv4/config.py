@@ -119,7 +119,7 @@ def named_config(name: str) -> DeepseekV4Config:
 
 
 # transformers 5.19's ``DeepseekV4Config`` defaults: a key a config.json leaves out means
-# the same network here as in transformers (tests/test_served_config.py builds HF's config
+# the same network here as in transformers (tests/test_random_configs.py builds HF's config
 # from the same dicts and compares).
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 129280,

@@ -68,12 +68,10 @@ class DeepseekV4Config:
     index_head_dim: int
     index_topk: int
     n_routed_experts: int
-    n_shared_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
     num_hash_layers: int
     routed_scaling_factor: float
-    norm_topk_prob: bool
     swiglu_limit: float
     hc_mult: int
     hc_sinkhorn_iters: int
@@ -85,6 +83,8 @@ class DeepseekV4Config:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_id: int | None
+    # Edge of the square blocks of a block-quantized checkpoint (FP8: 128); None when unquantized.
+    weight_block: int | None
 
     def layer_kind(self, layer: int) -> str:
         """``"window"``, ``"csa"`` (ratio-4 with indexer) or ``"hca"`` (ratio-128, all entries)."""
@@ -118,21 +118,57 @@ def named_config(name: str) -> DeepseekV4Config:
     return parse_config(json.loads(shipped.joinpath(f"{name}.json").read_text()))
 
 
+# transformers 5.19's ``DeepseekV4Config`` defaults: a key a config.json leaves out means
+# the same network here as in transformers (tests/test_random_configs.py builds HF's config
+# from the same dicts and compares).
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "partial_rotary_factor": 64 / 512,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "num_hash_layers": 3,
+    "num_nextn_predict_layers": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "norm_topk_prob": True,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "max_position_embeddings": 1048576,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
 def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
-    """Build a validated config from a release-style or HF-style ``config.json`` dict."""
+    """Build a validated config from a release-style or HF-style ``config.json`` dict.
+
+    Where both spellings of a key are present, transformers' precedence holds:
+    ``layer_types`` over ``compress_ratios``, ``mlp_layer_types`` over ``num_hash_layers``,
+    ``partial_rotary_factor`` over ``qk_rope_head_dim``.
+    """
     reader = _Reader(raw)
     num_layers = reader.positive_int("num_hidden_layers")
     csa_rate, hca_rate = _compression_rates(reader)
-    if "compress_ratios" in raw:
-        compress_ratios = _release_compress_ratios(reader, num_layers, csa_rate, hca_rate)
-        num_hash_layers = reader.int("num_hash_layers", default=3, minimum=0)
-    elif "layer_types" in raw:
-        compress_ratios = _hf_compress_ratios(reader, num_layers, csa_rate, hca_rate)
-        num_hash_layers = _hf_num_hash_layers(reader, num_layers)
-    else:
-        raise ConfigError("missing required key 'compress_ratios' (release style) or 'layer_types' (HF style)")
-    if num_hash_layers > num_layers:
-        raise ConfigError(f"'num_hash_layers' is {num_hash_layers}, above 'num_hidden_layers' ({num_layers})")
+    compress_ratios = _compress_ratios(reader, num_layers, csa_rate, hca_rate)
+    num_hash_layers = _num_hash_layers(reader, num_layers)
 
     hidden_size = reader.positive_int("hidden_size")
     num_heads = reader.positive_int("num_attention_heads")
@@ -140,13 +176,23 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
     rope_head_dim = _rope_head_dim(reader, head_dim)
     o_groups = reader.positive_int("o_groups")
     _require_divides("o_groups", o_groups, "num_attention_heads", num_heads)
-    scoring = reader.str("scoring_func", default="sqrtsoftplus")
+    scoring = reader.str("scoring_func")
     if scoring not in _SCORING_FUNCS:
         raise ConfigError(f"'scoring_func' is {scoring!r}; allowed: {list(_SCORING_FUNCS)}")
     num_experts = reader.positive_int("n_routed_experts")
     top_k = reader.positive_int("num_experts_per_tok")
     if top_k > num_experts:
         raise ConfigError(f"'num_experts_per_tok' ({top_k}) exceeds 'n_routed_experts' ({num_experts})")
+    if reader.int("n_shared_experts") != 1:
+        raise ConfigError(
+            f"'n_shared_experts' is {reader.value('n_shared_experts')}; allowed: 1 (transformers' DeepseekV4 builds one "
+            "shared expert of 'moe_intermediate_size' whatever the key says; DeepSeek's reference, that many)"
+        )
+    if not reader.bool("norm_topk_prob"):
+        raise ConfigError(
+            "'norm_topk_prob' is false; allowed: true (V4 renormalises the chosen experts' weights, as "
+            "transformers' DeepseekV4 does whatever the key says)"
+        )
     rope_theta, compress_rope_theta, yarn = _rope(reader)
 
     return DeepseekV4Config(
@@ -167,39 +213,66 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
         index_head_dim=_even(reader, "index_head_dim", minimum=rope_head_dim),
         index_topk=reader.positive_int("index_topk"),
         n_routed_experts=num_experts,
-        n_shared_experts=reader.int("n_shared_experts", default=1, minimum=0),
         num_experts_per_tok=top_k,
         moe_intermediate_size=reader.positive_int("moe_intermediate_size"),
         num_hash_layers=num_hash_layers,
-        routed_scaling_factor=reader.float("routed_scaling_factor", default=1.0),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        swiglu_limit=reader.float("swiglu_limit", default=math.inf),
+        routed_scaling_factor=reader.float("routed_scaling_factor"),
+        swiglu_limit=reader.float("swiglu_limit"),
         hc_mult=reader.positive_int("hc_mult"),
         hc_sinkhorn_iters=reader.positive_int("hc_sinkhorn_iters"),
-        hc_eps=reader.float("hc_eps", default=1e-6),
-        rms_norm_eps=reader.float("rms_norm_eps", default=1e-6),
+        hc_eps=reader.float("hc_eps"),
+        rms_norm_eps=reader.float("rms_norm_eps"),
         rope_theta=rope_theta,
         compress_rope_theta=compress_rope_theta,
         yarn=yarn,
         max_position_embeddings=reader.positive_int("max_position_embeddings"),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=_first_eos(raw.get("eos_token_id")),
+        bos_token_id=reader.raw.get("bos_token_id", DEFAULTS["bos_token_id"]),
+        eos_token_id=_first_eos(reader.raw.get("eos_token_id", DEFAULTS["eos_token_id"])),
+        weight_block=_weight_block(reader),
     )
 
 
+def check_tensor_parallel(config: DeepseekV4Config, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that does not divide what it splits: V4 is never padded.
+
+    Query heads and output-projection groups are split over the ranks; the experts'
+    intermediate dimension too, in whole quantization blocks when the checkpoint is
+    block-quantized (``quantization_config.weight_block_size``).
+    """
+    if tp_size < 1:
+        raise ConfigError(f"the tensor-parallel size must be >= 1, got {tp_size}")
+    per_rank = f"tp = {tp_size}"
+    per_block = f"tp x weight block = {tp_size} x {config.weight_block} = {tp_size * (config.weight_block or 1)}"
+    splits = (
+        ("num_attention_heads", config.num_heads, tp_size, per_rank),
+        ("o_groups", config.o_groups, tp_size, per_rank),
+        (
+            "moe_intermediate_size",
+            config.moe_intermediate_size,
+            tp_size * (config.weight_block or 1),
+            per_block if config.weight_block else per_rank,
+        ),
+    )
+    for key, value, divisor, divisor_name in splits:
+        if value % divisor:
+            raise ConfigError(
+                f"{key!r} ({value}) is not divisible by {divisor_name}: DeepSeek-V4 splits it over the "
+                "tensor-parallel ranks and never pads it; choose a --tp that divides it"
+            )
+
+
 class _Reader:
-    """Typed access to a raw config dict, with errors that name the key."""
+    """Typed access to a raw config dict, with errors that name the key; absent keys read as :data:`DEFAULTS`."""
 
     def __init__(self, raw: dict[str, Any]):
         self.raw = raw
 
-    def require(self, key: str) -> Any:
-        if key not in self.raw or self.raw[key] is None:
-            raise ConfigError(f"missing required key {key!r}")
-        return self.raw[key]
+    def value(self, key: str) -> Any:
+        value = self.raw.get(key)
+        return DEFAULTS[key] if value is None else value
 
-    def int(self, key: str, *, default: int | None = None, minimum: int = 0) -> int:
-        value = self.raw.get(key, default) if default is not None else self.require(key)
+    def int(self, key: str, *, minimum: int = 0) -> int:
+        value = self.value(key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key!r} must be an integer, got {value!r}")
         if value < minimum:
@@ -209,28 +282,36 @@ class _Reader:
     def positive_int(self, key: str) -> int:
         return self.int(key, minimum=1)
 
-    def float(self, key: str, *, default: float) -> float:
-        value = self.raw.get(key, default)
-        if value is None:
-            return default
+    def float(self, key: str) -> float:
+        value = self.value(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key!r} must be a number, got {value!r}")
         return float(value)
 
-    def str(self, key: str, *, default: str) -> str:
-        value = self.raw.get(key, default)
+    def bool(self, key: str) -> bool:
+        value = self.value(key)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key!r} must be true or false, got {value!r}")
+        return value
+
+    def str(self, key: str) -> str:
+        value = self.value(key)
         if not isinstance(value, str):
             raise ConfigError(f"{key!r} must be a string, got {value!r}")
         return value
 
 
 def _compression_rates(reader: _Reader) -> tuple[int, int]:
-    """The CSA (overlapping) and HCA (disjoint) rates: 4 and 128 unless the config declares others."""
+    """The CSA (overlapping) and HCA (disjoint) rates: 4 and 128 unless the config declares others.
+
+    Top-level ``compress_rate_csa`` / ``compress_rate_hca`` (older configs) win over
+    ``compress_rates``, as in transformers.
+    """
     rates = reader.raw.get("compress_rates") or {}
     if not isinstance(rates, dict):
         raise ConfigError(f"'compress_rates' must be a mapping of layer type to rate, got {rates!r}")
-    csa = rates.get("compressed_sparse_attention", reader.raw.get("compress_rate_csa", CSA_RATE))
-    hca = rates.get("heavily_compressed_attention", reader.raw.get("compress_rate_hca", HCA_RATE))
+    csa = reader.raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", CSA_RATE))
+    hca = reader.raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", HCA_RATE))
     if csa != CSA_RATE:
         raise ConfigError(f"'compress_rates.compressed_sparse_attention' is {csa!r}; allowed: {CSA_RATE}")
     if not isinstance(hca, int) or isinstance(hca, bool) or hca <= CSA_RATE:
@@ -240,11 +321,21 @@ def _compression_rates(reader: _Reader) -> tuple[int, int]:
     return csa, hca
 
 
+def _compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: int) -> tuple[int, ...]:
+    """Per-layer rates from ``layer_types``, else ``compress_ratios``, else transformers' default
+    schedule (two HCA layers, then HCA and CSA alternating)."""
+    if reader.raw.get("layer_types") is not None:
+        return _hf_compress_ratios(reader, num_layers, csa, hca)
+    if reader.raw.get("compress_ratios") is not None:
+        return _release_compress_ratios(reader, num_layers, csa, hca)
+    return tuple(hca if layer < 2 or layer % 2 == 0 else csa for layer in range(num_layers))
+
+
 def _release_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: int) -> tuple[int, ...]:
-    ratios = reader.require("compress_ratios")
+    ratios = reader.raw["compress_ratios"]
     if not isinstance(ratios, list):
         raise ConfigError(f"'compress_ratios' must be a list, got {ratios!r}")
-    mtp_layers = reader.int("num_nextn_predict_layers", default=0, minimum=0)
+    mtp_layers = reader.int("num_nextn_predict_layers")
     allowed_lengths = sorted({num_layers, num_layers + mtp_layers})
     if len(ratios) not in allowed_lengths:
         raise ConfigError(
@@ -259,7 +350,7 @@ def _release_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: in
 
 
 def _hf_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: int) -> tuple[int, ...]:
-    layer_types = reader.require("layer_types")
+    layer_types = reader.raw["layer_types"]
     _require_length("layer_types", layer_types, num_layers)
     rate_of = {"window": WINDOW_ONLY, "csa": csa, "hca": hca}
     ratios = []
@@ -270,10 +361,16 @@ def _hf_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: int) ->
     return tuple(ratios)
 
 
-def _hf_num_hash_layers(reader: _Reader, num_layers: int) -> int:
+def _num_hash_layers(reader: _Reader, num_layers: int) -> int:
+    """From ``mlp_layer_types``, else ``num_hash_layers`` (by default 3, or every layer of a shallower model)."""
     mlp_types = reader.raw.get("mlp_layer_types")
     if mlp_types is None:
-        return reader.int("num_hash_layers", default=3, minimum=0)
+        if reader.raw.get("num_hash_layers") is None:
+            return min(DEFAULTS["num_hash_layers"], num_layers)
+        num_hash = reader.int("num_hash_layers")
+        if num_hash > num_layers:
+            raise ConfigError(f"'num_hash_layers' is {num_hash}, above 'num_hidden_layers' ({num_layers})")
+        return num_hash
     _require_length("mlp_layer_types", mlp_types, num_layers)
     for layer, mlp_type in enumerate(mlp_types):
         if mlp_type not in _HF_MLP_LAYER_TYPES:
@@ -285,12 +382,11 @@ def _hf_num_hash_layers(reader: _Reader, num_layers: int) -> int:
 
 
 def _rope_head_dim(reader: _Reader, head_dim: int) -> int:
-    if "qk_rope_head_dim" in reader.raw:
+    """``head_dim * partial_rotary_factor`` (truncated, as transformers does), else ``qk_rope_head_dim``."""
+    if reader.raw.get("partial_rotary_factor") is None and reader.raw.get("qk_rope_head_dim") is not None:
         rope_dim = reader.positive_int("qk_rope_head_dim")
-    elif reader.raw.get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * reader.float("partial_rotary_factor", default=0.0))
     else:
-        raise ConfigError("missing required key 'qk_rope_head_dim' (or HF's 'partial_rotary_factor')")
+        rope_dim = int(head_dim * reader.float("partial_rotary_factor"))
     if rope_dim % 2 or rope_dim > head_dim or rope_dim <= 0:
         raise ConfigError(f"'qk_rope_head_dim' is {rope_dim}; allowed: an even number in [2, head_dim={head_dim}]")
     return rope_dim
@@ -299,14 +395,15 @@ def _rope_head_dim(reader: _Reader, head_dim: int) -> int:
 def _rope(reader: _Reader) -> tuple[float, float, YarnScaling | None]:
     """(plain theta, compressed layers' theta, YaRN of compressed layers) from either spelling."""
     params = reader.raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+    nested = isinstance(params, dict) and isinstance(params.get("compress"), dict)
+    if nested:
         main, compress = params.get("main") or {}, params["compress"]
-        theta = float(main.get("rope_theta", reader.float("rope_theta", default=10000.0)))
-        compress_theta = float(compress.get("rope_theta", reader.float("compress_rope_theta", default=160000.0)))
+        theta = float(main.get("rope_theta", reader.float("rope_theta")))
+        compress_theta = float(compress.get("rope_theta", reader.float("compress_rope_theta")))
         scaling = compress
     else:
-        theta = reader.float("rope_theta", default=10000.0)
-        compress_theta = reader.float("compress_rope_theta", default=160000.0)
+        theta = reader.float("rope_theta")
+        compress_theta = reader.float("compress_rope_theta")
         scaling = reader.raw.get("rope_scaling") or params or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
@@ -316,6 +413,12 @@ def _rope(reader: _Reader) -> tuple[float, float, YarnScaling | None]:
     for key in ("factor", "original_max_position_embeddings"):
         if key not in scaling:
             raise ConfigError(f"missing required key 'rope_scaling.{key}' for YaRN")
+    attention_factor = _yarn_attention_factor(scaling, nested)
+    if attention_factor != 1.0:
+        raise ConfigError(
+            f"'rope_parameters.compress.attention_factor' is {attention_factor:.6g} (given, or transformers' YaRN "
+            "default for a nested rope_parameters without it); allowed: 1.0 (V4 does not rescale attention)"
+        )
     yarn = YarnScaling(
         factor=float(scaling["factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
@@ -323,6 +426,36 @@ def _rope(reader: _Reader) -> tuple[float, float, YarnScaling | None]:
         beta_slow=float(scaling.get("beta_slow") or 1.0),
     )
     return theta, compress_theta, yarn
+
+
+def _yarn_attention_factor(scaling: dict[str, Any], nested: bool) -> float:
+    """The factor transformers scales YaRN's cos/sin by: as given; else 1.0 for a flat (release) spelling,
+    which its DeepseekV4Config sets; else YaRN's default ``0.1 ln(factor) + 1`` (or its mscale ratio)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if not nested:
+        return 1.0
+
+    def mscale(factor: float, scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    factor, scale, scale_all_dims = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if scale and scale_all_dims:
+        return mscale(factor, scale) / mscale(factor, scale_all_dims)
+    return mscale(factor)
+
+
+def _weight_block(reader: _Reader) -> int | None:
+    """The block edge of ``quantization_config.weight_block_size`` (square blocks), None when unquantized."""
+    quantization = reader.raw.get("quantization_config") or {}
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    if block is None:
+        return None
+    if not isinstance(block, list) or not 1 <= len(block) <= 2 or len(set(block)) != 1:
+        raise ConfigError(f"'quantization_config.weight_block_size' is {block!r}; allowed: [B] or [B, B]")
+    if isinstance(block[0], bool) or not isinstance(block[0], int) or block[0] < 1:
+        raise ConfigError(f"'quantization_config.weight_block_size' is {block!r}; allowed: positive integers")
+    return block[0]
 
 
 def _even(reader: _Reader, key: str, *, minimum: int) -> int:

@@ -33,16 +33,7 @@ def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict
     is the one imported.
     """
     port = free_port()
-    command = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--device", "cpu",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--max-total-tokens", "4096",
-        "--sleep-on-idle",
-        *extra_args,
-    ]  # fmt: skip
+    command = server_command(model_path, port, *extra_args)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})}
@@ -58,6 +49,20 @@ def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def server_command(model_path: Path, port: int, *extra_args: str) -> list[str]:
+    """``python -m sglang.launch_server`` for this CPU host, bounded pool and no idle busy-poll."""
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--device", "cpu",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-total-tokens", "4096",
+        "--sleep-on-idle",
+        *extra_args,
+    ]  # fmt: skip
 
 
 def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:

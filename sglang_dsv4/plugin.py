@@ -17,12 +17,13 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from .config import check_tensor_parallel
+from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import SERVING_HOOKS, register_serving_hooks
 from .settings import settings
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE = "DeepseekV4ForCausalLM"
 _UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
 _KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
 _POOL_SIZING = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
@@ -31,10 +32,14 @@ _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
 _RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
+_CONFIG_LOADING = "sglang.srt.utils.hf_transformers.config.get_config"
+_CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
 _STATE_UPDATES = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
 )
 REQUIRED_HOOKS = (
+    _CONFIG_LOADING,
+    _CPU_PADDING,
     _UPSTREAM_V4_DEFAULTS,
     _KV_POOL_BUILDER,
     _POOL_SIZING,
@@ -54,6 +59,8 @@ def register() -> None:
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
+    HookRegistry.register(_CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
+    HookRegistry.register(_CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
     HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
     HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
@@ -104,10 +111,17 @@ def _register_server_arg_overrides() -> None:
 
 def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """Our backend, token-granular pages, one token pool (the prefix cache is ours too:
-    :func:`_register_prefix_cache`)."""
+    :func:`_register_prefix_cache`).
+
+    Called in the launcher before any scheduler starts: a config this plugin cannot serve, or a
+    ``--tp`` that does not divide it, stops the launcher here with the :class:`ConfigError` naming the key.
+    """
+    from sglang.srt.arg_groups.overrides import resolving_view
+
     from .attention_backend.torch_reference import NAME
 
     require_hooks_applied()
+    check_tensor_parallel(served_config(hf_config), resolving_view(server_args).tp_size)
     return {"attention_backend": NAME, "page_size": 1, "disable_hybrid_swa_memory": True}
 
 
@@ -151,6 +165,14 @@ def _prefer_checkpoint_chat_template(original, *, hf_config: Any, tokenizer: Any
     return spec
 
 
+def _keep_v4_unpadded(original, model_config: Any, load_config: Any, tp_size: int):
+    """SGLang pads unaligned dimensions on a CPU device; a V4 config is left as the checkpoint has it (the
+    launcher refused a ``--tp`` that does not divide it: :func:`_server_arg_overrides`)."""
+    if is_v4_checkpoint(model_config.hf_config):
+        return model_config
+    return original(model_config, load_config, tp_size)
+
+
 def _skip_upstream_v4_defaults(original, server_args: Any, model_arch: str) -> None:
     """Upstream's V4 defaults configure its own kernels (FP8 KV cache, dsv4 backends): not ours."""
     logger.info("sglang-dsv4 serves %s; upstream's DeepSeek-V4 defaults are not applied", model_arch)
@@ -163,11 +185,10 @@ def _size_v4_pools(original, configurator):
 
     if not is_deepseek_v4(configurator.model_config.hf_config):
         return original(configurator)
-    from .config import parse_config
     from .memory_pool.layout import PoolLayout
     from .memory_pool.sizing import V4PoolConfigurator
 
-    config = parse_config(configurator.model_config.hf_config.to_dict())
+    config = served_config(configurator.model_config.hf_config)
     layout = PoolLayout(config, configurator.kv_cache_dtype)
     return V4PoolConfigurator(layout, get_schedule().max_running_requests)
 
@@ -181,14 +202,13 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
             is_dsv4_model=is_dsv4_model,
             req_to_token_pool=req_to_token_pool,
         )
-    from .config import parse_config
     from .memory_pool.ledger import KVLedger
     from .memory_pool.pool import V4KVPool
 
     pool = V4KVPool(
         size=sizes.max_total_num_tokens,
         page_size=configurator.pool_page_size,
-        config=parse_config(configurator.model_config.hf_config.to_dict()),
+        config=served_config(configurator.model_config.hf_config),
         kv_dtype=configurator.kv_cache_dtype,
         max_requests=req_to_token_pool.size,
         max_context=req_to_token_pool.max_context_len,

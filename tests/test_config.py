@@ -34,7 +34,7 @@ def hf_style(raw: dict) -> dict:
     yarn = {k: v for k, v in raw["rope_scaling"].items() if k != "type"}
     hf["rope_parameters"] = {
         "main": {"rope_type": "default", "rope_theta": raw["rope_theta"]},
-        "compress": {"rope_type": "yarn", "rope_theta": raw["compress_rope_theta"], **yarn},
+        "compress": {"rope_type": "yarn", "rope_theta": raw["compress_rope_theta"], "attention_factor": 1.0, **yarn},
     }
     return hf
 
@@ -67,8 +67,23 @@ def test_mtp_entries_of_compress_ratios_are_accepted():
     [
         (release_config(compress_ratios=[0, 4, 64, 4]), "'compress_ratios[2]' is 64; allowed: [0, 4, 128]"),
         (release_config(compress_ratios=[0, 4, 128]), "'compress_ratios' has 3 entries; 'num_hidden_layers' is 4"),
-        ({k: v for k, v in TINY_CONFIG.items() if k != "hidden_size"}, "missing required key 'hidden_size'"),
-        ({k: v for k, v in TINY_CONFIG.items() if k != "compress_ratios"}, "missing required key 'compress_ratios'"),
+        (release_config(norm_topk_prob=False), "'norm_topk_prob' is false; allowed: true"),
+        (release_config(n_shared_experts=2), "'n_shared_experts' is 2; allowed: 1"),
+        (release_config(swiglu_limit="1"), "'swiglu_limit' must be a number"),
+        (
+            release_config(quantization_config={"weight_block_size": [128, 64]}),
+            "'quantization_config.weight_block_size' is [128, 64]",
+        ),
+        (
+            {
+                **hf_style(TINY_CONFIG),
+                "rope_parameters": {
+                    "main": {},
+                    "compress": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 4096},
+                },
+            },
+            "'rope_parameters.compress.attention_factor' is 1.27726",
+        ),
         (release_config(o_groups=3), "'o_groups' (3) must divide 'num_attention_heads' (4)"),
         (release_config(qk_rope_head_dim=15), "'qk_rope_head_dim' is 15"),
         (release_config(qk_rope_head_dim=128), "'qk_rope_head_dim' is 128"),

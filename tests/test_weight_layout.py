@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sglang_dsv4.config import named_config, parse_config
+from sglang_dsv4.config import ConfigError, named_config, parse_config
 from sglang_dsv4.memory_pool.ledger import H200_BYTES, RankLedger
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.network import DeepseekV4
@@ -21,7 +21,7 @@ def meta_network(config) -> DeepseekV4:
 
 
 def test_layout_lists_exactly_the_tensors_the_network_writes_under_release_names():
-    config = parse_config({**TINY_CONFIG, "n_shared_experts": 2, "compress_ratios": [128, 0, 4, 4]})
+    config = parse_config({**TINY_CONFIG, "compress_ratios": [128, 0, 4, 4]})
     written = {name: tuple(t.shape) for name, t in release_state_dict(meta_network(config)).items()}
     listed = {spec.name: spec.shape for spec in checkpoint_tensors(config, quantized=False)}
     assert listed == written
@@ -60,14 +60,16 @@ def test_tensor_parallel_ranks_split_heads_and_vocabulary_and_replicate_the_kv_h
     assert specs["layers.2.ffn.experts.0.w1.weight"].local_shape(Parallelism(tp=8)) == (2048 // 8, 4096)
 
 
-def test_a_dimension_that_does_not_divide_over_the_ranks_is_refused_naming_the_tensor():
+def test_a_dimension_that_does_not_divide_over_the_ranks_is_refused_naming_the_key_or_tensor():
     config = parse_config({**TINY_CONFIG, "num_attention_heads": 6, "o_groups": 3})
-    ledger = RankLedger(config, Parallelism(tp=4), quantized=False)
-    refusal = (
-        r"layers\.0\.attn\.wq_b\.weight: rows over the tensor-parallel ranks, but its 6 heads do not divide over 4"
-    )
-    with pytest.raises(ValueError, match=refusal):
-        ledger.weight_bytes()
+    with pytest.raises(ConfigError, match=r"'num_attention_heads' \(6\) is not divisible by tp = 4"):
+        RankLedger(config, Parallelism(tp=4), quantized=False).weight_bytes()
+    spec = next(s for s in checkpoint_tensors(config, quantized=False) if s.name == "layers.0.attn.wq_b.weight")
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_b\.weight: .* its 6 heads do not divide over 4"):
+        spec.local_shape(Parallelism(tp=4))
+    # The vocabulary is padded, as SGLang's vocab-parallel layers pad it.
+    head = next(s for s in checkpoint_tensors(config, quantized=False) if s.name == "head.weight")
+    assert head.local_shape(Parallelism(tp=3)) == (342, 64)
 
 
 def test_one_rank_unquantized_holds_what_the_network_allocates():

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, DeepseekV4Config, load_config, named_config, parse_config
+from ..config import ConfigError, DeepseekV4Config, check_tensor_parallel, load_config, named_config, parse_config
 from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
 from .layout import CHECKPOINTS_PER_REQUEST_ROW, PoolLayout
 
@@ -202,6 +202,7 @@ class RankLedger:
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident weight bytes on one rank: routed experts, the rest of the layers, embedding and head."""
+        check_tensor_parallel(self.config, self.parallel.tp)
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         share = self.experts_per_rank / self.config.n_routed_experts  # exact: experts are equal in size
         parts = {"routed experts": 0.0, "layers (attention, shared expert, router, mHC)": 0.0, "embedding, head": 0.0}

@@ -17,8 +17,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from ..config import parse_config
 from ..moe.fused_moe import FusedRoutedExperts
+from ..served_config import served_config
 from .checkpoint_check import check_checkpoint
 from .loader import load_weights
 from .network import DeepseekV4, run_blocks
@@ -33,7 +33,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         require_hooks_applied()
         super().__init__()
         self.config = config
-        self.v4_config = parse_config(config.to_dict())
+        self.v4_config = served_config(config)
         self.network = DeepseekV4(
             self.v4_config, routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config)
         )
@@ -68,8 +68,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     @classmethod
     def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:
         """What SGLang's expert-location loader (``--init-expert-location``) plans over."""
+        v4_config = served_config(config)
         return ModelConfigForExpertLocation(
-            num_layers=config.num_hidden_layers, num_logical_experts=config.n_routed_experts, num_groups=None
+            num_layers=v4_config.num_layers, num_logical_experts=v4_config.n_routed_experts, num_groups=None
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

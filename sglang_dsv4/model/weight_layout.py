@@ -10,7 +10,8 @@ tensor is divided over ``tp`` tensor-parallel and ``ep`` expert-parallel ranks:
   as MLA keeps its latent KV (the indexer's heads too: its top-k needs the score summed
   over all of them, and an all-reduce of ``tokens x context/4`` scores per layer would
   cost more than the replicated ``wq_b``);
-* the embedding and the output head by vocabulary rows;
+* the embedding and the output head by vocabulary rows (padded to whole rows per rank, as
+  SGLang's vocab-parallel layers pad them);
 * routed experts whole over the ``ep`` ranks (``n_routed_experts / ep`` each), and inside
   each expert the intermediate dimension over the remaining ``tp / ep`` ranks (SGLang's
   MoE TP); the shared expert's intermediate dimension over all ``tp`` ranks;
@@ -52,6 +53,7 @@ class Split(Enum):
     """Which dimension a tensor is cut along, over which ranks."""
 
     REPLICATED = "whole on every rank"
+    VOCABULARY = "vocabulary rows over the tensor-parallel ranks, padded"
     ROWS = "rows over the tensor-parallel ranks"
     COLUMNS = "columns over the tensor-parallel ranks"
     EXPERT_ROWS = "whole experts over EP, rows over the MoE-TP ranks"
@@ -80,6 +82,8 @@ class TensorSpec:
     def local_shape(self, parallel: Parallelism) -> tuple[int, int]:
         """``(rows, columns)`` held by one rank (a 1-D tensor is one row)."""
         rows, columns = (1, self.shape[0]) if len(self.shape) == 1 else self.shape
+        if self.split is Split.VOCABULARY:
+            return -(-rows // parallel.tp), columns
         if self.split is Split.ROWS:
             return self._part(rows, parallel.tp), columns
         if self.split is Split.COLUMNS:
@@ -125,7 +129,7 @@ def checkpoint_tensors(config: DeepseekV4Config, *, quantized: bool) -> list[Ten
     dense = Format.FP8 if quantized else Format.MODEL
     experts = Format.FP4 if quantized else Format.MODEL
     hidden, vocab = config.hidden_size, config.vocab_size
-    specs = [TensorSpec("embed.weight", (vocab, hidden), Format.MODEL, Split.ROWS)]
+    specs = [TensorSpec("embed.weight", (vocab, hidden), Format.MODEL, Split.VOCABULARY)]
     for layer in range(config.num_layers):
         specs += _attention(config, f"layers.{layer}", dense)
         specs += _feed_forward(config, layer, dense, experts)
@@ -134,7 +138,7 @@ def checkpoint_tensors(config: DeepseekV4Config, *, quantized: bool) -> list[Ten
     specs += _mhc(config, "hc_head", sublayer=False)
     specs += [
         TensorSpec("norm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
-        TensorSpec("head.weight", (vocab, hidden), Format.MODEL, Split.ROWS),
+        TensorSpec("head.weight", (vocab, hidden), Format.MODEL, Split.VOCABULARY),
     ]
     return specs
 
@@ -192,7 +196,6 @@ def _compressor(config: DeepseekV4Config, prefix: str, dim: int, ratio: int, ove
 
 def _feed_forward(config: DeepseekV4Config, layer: int, dense: Format, experts: Format) -> list[TensorSpec]:
     prefix, hidden, inner = f"layers.{layer}", config.hidden_size, config.moe_intermediate_size
-    shared = inner * config.n_shared_experts
     router = (
         TensorSpec(f"{prefix}.ffn.gate.tid2eid", (config.vocab_size, config.num_experts_per_tok), Format.INDEX,
                    Split.REPLICATED)
@@ -211,13 +214,12 @@ def _feed_forward(config: DeepseekV4Config, layer: int, dense: Format, experts: 
             TensorSpec(f"{name}.w2.weight", (hidden, inner), experts, Split.EXPERT_COLUMNS),
             TensorSpec(f"{name}.w3.weight", (inner, hidden), experts, Split.EXPERT_ROWS),
         ]
-    if shared:
-        specs += [
-            TensorSpec(f"{prefix}.ffn.shared_experts.w1.weight", (shared, hidden), dense, Split.ROWS),
-            TensorSpec(f"{prefix}.ffn.shared_experts.w2.weight", (hidden, shared), dense, Split.COLUMNS),
-            TensorSpec(f"{prefix}.ffn.shared_experts.w3.weight", (shared, hidden), dense, Split.ROWS),
-        ]
-    return specs
+    return [
+        *specs,
+        TensorSpec(f"{prefix}.ffn.shared_experts.w1.weight", (inner, hidden), dense, Split.ROWS),
+        TensorSpec(f"{prefix}.ffn.shared_experts.w2.weight", (hidden, inner), dense, Split.COLUMNS),
+        TensorSpec(f"{prefix}.ffn.shared_experts.w3.weight", (inner, hidden), dense, Split.ROWS),
+    ]
 
 
 def _mhc(config: DeepseekV4Config, stem: str, sublayer: bool) -> list[TensorSpec]:

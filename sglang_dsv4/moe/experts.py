@@ -85,9 +85,7 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Gate(config, hashed=config.is_hash_layer(layer))
         self.experts = experts
-        self.shared_experts = SharedExpert(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
-        )
+        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, token_ids)

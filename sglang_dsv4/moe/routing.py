@@ -26,7 +26,6 @@ class Gate(nn.Module):
     def __init__(self, config: DeepseekV4Config, hashed: bool):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.normalize = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
         self.hashed = hashed
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
@@ -43,6 +42,5 @@ class Gate(nn.Module):
         else:
             experts = (scores + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts

@@ -1,0 +1,135 @@
+"""Random V4 configs served by the real ``sglang.launch_server`` against HF transformers on the same checkpoint;
+configs the server cannot serve stop the launcher with the key named.
+
+Three fixed seeds per run (one release layout, two in transformers' own ``save_pretrained`` layout, one of them
+with ``--json-model-override-args``); ``DSV4_CONFIG_SEEDS=N`` serves N seeds, the fixed ones first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids
+from random_configs import build_random_checkpoint
+from test_v4_server import greedy, hf_logprobs, teacher_forced_logprobs
+
+from sglang_dsv4.launch import free_port, running_server, server_command
+from sglang_dsv4.tiny import TINY_CONFIG
+
+PROMPT_TOKENS = 300  # crosses the sliding window and two 128-token compressed blocks
+NEW_TOKENS = 24
+LOGPROB_TOLERANCE = 1e-4
+CLEAR_MARGIN = 1e-3
+LAUNCH_TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class ServedCase:
+    seed: int
+    hf_layout: bool
+    overrides: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"seed{self.seed}-{'hf' if self.hf_layout else 'release'}{'-override' if self.overrides else ''}"
+
+
+# Seed 20: release spelling with the MTP entry in compress_ratios; routed_scaling_factor, swiglu_limit and
+# sliding_window left to transformers' defaults (transformers' save_pretrained would write them all out).
+# Seed 8: HF spelling, window-only layers between compressed ones, nested YaRN, three hash layers, a 24-token
+# window. Seed 18: a declared HCA rate of 16, three ratio-4 layers, a clamping swiglu limit from the override.
+FIXED_CASES = (
+    ServedCase(20, hf_layout=False),
+    ServedCase(8, hf_layout=True),
+    ServedCase(18, hf_layout=True, overrides={"swiglu_limit": 0.5, "routed_scaling_factor": 2.5}),
+)
+
+
+def served_cases() -> list[ServedCase]:
+    count = int(os.environ.get("DSV4_CONFIG_SEEDS", len(FIXED_CASES)))
+    extra = [ServedCase(1000 + i, hf_layout=bool(i % 2)) for i in range(max(0, count - len(FIXED_CASES)))]
+    return [*FIXED_CASES, *extra][:count]
+
+
+def load_hf(path: Path, **config_overrides):
+    """transformers' DeepseekV4ForCausalLM in float32 with its eager expert loop (its grouped GEMM needs widths in
+    multiples of 16 bytes, which these configs need not have)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="eager", **config_overrides
+    )
+    return model.eval()
+
+
+def in_hf_layout(release_path: Path, out: Path) -> Path:
+    """The checkpoint as transformers' save_pretrained writes it (HF config keys and module names), same tokenizer."""
+    load_hf(release_path).save_pretrained(out)
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(release_path / tokenizer_file, out / tokenizer_file)
+    return out
+
+
+@pytest.mark.parametrize("case", served_cases(), ids=str)
+def test_random_config_served_matches_hf(case: ServedCase, tmp_path, log_dir):
+    path, raw = build_random_checkpoint(tmp_path / "release", case.seed)
+    if case.hf_layout:
+        path = in_hf_layout(path, tmp_path / "hf")
+    hf = load_hf(path, **case.overrides)
+    ids = random_ids(PROMPT_TOKENS, raw["vocab_size"], seed=case.seed).tolist()
+    args = ["--dtype", "float32"]
+    if case.overrides:
+        args += ["--json-model-override-args", json.dumps(case.overrides)]
+    with running_server(path, *args, log_path=log_dir / f"random-config-{case}.log") as url:
+        served_logprobs = teacher_forced_logprobs(url, ids)
+        served_tokens = greedy(url, ids, NEW_TOKENS)
+
+    assert (served_logprobs - hf_logprobs(hf, ids)).abs().max() <= LOGPROB_TOLERANCE
+    # HF teacher-forced on the served continuation: each served token is HF's top-1 up to the first step where
+    # HF's own top-2 margin is too small to call.
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + served_tokens])).logits[0, len(ids) - 1 : -1]
+    top2 = logits.topk(2, dim=-1)
+    unclear = (top2.values[:, 0] - top2.values[:, 1] < CLEAR_MARGIN).nonzero()
+    checked = int(unclear[0]) if len(unclear) else NEW_TOKENS
+    assert checked > 0, "HF's first continuation step is already a near tie"
+    assert top2.indices[:checked, 0].tolist() == served_tokens[:checked]
+
+
+def launch_until_exit(model_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        server_command(model_path, free_port(), *args),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        cwd=model_path,
+    )
+
+
+def config_only_checkpoint(directory: Path, **changes) -> Path:
+    """A checkpoint directory with only config.json: the launcher must refuse it before loading anything."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
+    return directory
+
+
+def test_unservable_config_stops_the_launcher_naming_the_key(tmp_path):
+    launched = launch_until_exit(config_only_checkpoint(tmp_path / "bad", o_groups=3))
+    assert launched.returncode != 0
+    output = launched.stdout + launched.stderr
+    assert "ConfigError: 'o_groups' (3) must divide 'num_attention_heads' (4)" in output
+    assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model
+
+
+def test_tensor_parallel_size_that_does_not_divide_stops_the_launcher(tmp_path):
+    checkpoint = config_only_checkpoint(tmp_path / "three-heads", num_attention_heads=3, o_groups=3)
+    launched = launch_until_exit(checkpoint, "--tp", "2")
+    assert launched.returncode != 0
+    assert "ConfigError: 'num_attention_heads' (3) is not divisible by tp = 2" in launched.stdout + launched.stderr

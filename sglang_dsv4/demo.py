@@ -53,7 +53,11 @@ _INVOKE = re.compile(
 
 @dataclass(frozen=True)
 class TurnReport:
+    """One turn: the reply as decoded (special tokens kept), its text before any tool-call block, the command
+    of the model's bash call if it wrote a well-formed one, and the server's usage and timing."""
+
     reply: str
+    content: str
     command: str | None
     prompt_tokens: int
     cached_tokens: int
@@ -89,9 +93,9 @@ def chat_turn(url: str, messages: list[dict[str, Any]], max_tokens: int = 48) ->
             usage = event.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
     call = _INVOKE.search(text)
-    reply_text = text.split(f"<{DSML}tool_calls>")[0].strip()
     return TurnReport(
-        reply=reply_text,
+        reply=text.strip(),
+        content=text.split(f"<{DSML}tool_calls>")[0].strip(),
         command=call.group(1).strip() if call else None,
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=details.get("cached_tokens") or 0,
@@ -113,7 +117,7 @@ def run_agent(url: str, task: str) -> list[TurnReport]:
             "function": {"name": "bash", "arguments": json.dumps({"command": report.command or scripted_command})},
         }
         messages += [
-            {"role": "assistant", "content": report.reply, "tool_calls": [call]},
+            {"role": "assistant", "content": report.content, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": output},
         ]
     return reports

@@ -462,18 +462,23 @@ def bench_temporal_synthetic(timer: Timer) -> list[dict]:
     return rows
 
 
-def tiny_model_streams(path: Path, context: int, steps: int) -> list[torch.Tensor]:
-    """The shipped tiny model's indexer scores (first ratio-4 layer) at each of ``steps`` greedy decode steps
+def tiny_model_streams(path: Path, context: int, steps: int) -> dict[int, list[torch.Tensor]]:
+    """The shipped tiny model's indexer scores, per ratio-4 layer, at each of ``steps`` greedy decode steps
     after a ``context``-token prompt of real code: one ``[visible entries]`` float32 tensor per step."""
     from benchmarks.indexer_streams import score_streams, source_prompt
     from sglang_dsv4 import load_model
 
-    streams = score_streams(load_model(path, device="cuda"), source_prompt(context), steps, chunk=4096)
-    return streams[min(streams)]
+    return score_streams(load_model(path, device="cuda"), source_prompt(context), steps, chunk=4096)
 
 
 def bench_temporal_tiny(timer: Timer, path: Path, context: int) -> list[dict]:
-    streams = tiny_model_streams(path, context, steps=33)
+    rows = []
+    for layer, streams in tiny_model_streams(path, context, steps=33).items():
+        rows += temporal_rows(timer, f"tiny model layer {layer}, {context} tokens", streams)
+    return rows
+
+
+def temporal_rows(timer: Timer, name: str, streams: list[torch.Tensor]) -> list[dict]:
     rows = []
     for k in (16, 512):
         for batch in (1, 64):
@@ -494,7 +499,7 @@ def bench_temporal_tiny(timer: Timer, path: Path, context: int) -> list[dict]:
                     max_reps=100,
                 )
             steps = len(streams) - 1
-            rows.append({"stream": f"tiny model, {context} tokens ({streams[-1].shape[0]} entries)", "batch": batch,
+            rows.append({"stream": f"{name} ({streams[-1].shape[0]} entries)", "batch": batch,
                          "k": k, "width": streams[-1].shape[0], "overlap": statistics.mean(overlaps),
                          "plain_us": plain_total / steps, "temporal_us": temporal_total / steps,
                          "speedup": plain_total / temporal_total, "exact": exact})  # fmt: skip

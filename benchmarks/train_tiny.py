@@ -300,7 +300,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=Path, default=REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz")
+    sessions = REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
+    parser.add_argument("--sessions", type=Path, default=sessions)
     parser.add_argument("--python-mb", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=SHIPPED)
     parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "train_tiny.json")
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     record = train(args)
     args.record.write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.plot)
-    print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {record['random_checkpoint_held_out_ppl']:.4g})")
+    random_ppl = record["random_checkpoint_held_out_ppl"]
+    print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {random_ppl:.4g})")
     print(f"wrote {args.out}, {args.record}, {args.plot}")
 
 

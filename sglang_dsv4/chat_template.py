@@ -2,7 +2,8 @@
 
 A conversation renders as
 
-    <｜begin▁of▁sentence｜>{system}[TOOLS]<｜User｜>{user}<｜Assistant｜></think>{reply}[CALLS]<｜end▁of▁sentence｜>
+    <｜begin▁of▁sentence｜>{system}[TOOLS]<｜User｜>{user}<｜Assistant｜></think>{reply}[CALLS]
+    <｜end▁of▁sentence｜>
     <｜User｜><tool_result>{output}</tool_result>\\n\\n<tool_result>{output}</tool_result><｜Assistant｜></think>...
 
 * system messages come first, joined by a blank line; ``TOOLS`` (when the request defines tools) follows
@@ -84,7 +85,8 @@ CHAT_TEMPLATE = (
     "{%- set tools_closing = " + repr(TOOLS_CLOSING).replace("\\n", "\n") + " -%}"
     + _TOOLS
     + "{{ bos_token }}"
-    "{%- set ns = namespace(previous='', tools_pending=tools is defined and tools is not none and tools | length > 0) -%}"
+    "{%- set ns = namespace(previous='',"
+    " tools_pending=tools is defined and tools is not none and tools | length > 0) -%}"
     "{%- for message in messages -%}"
     "{%- set role = message['role'] -%}"
     "{%- set content = message['content'] if message['content'] is string else"

@@ -34,8 +34,10 @@ from .tiny import shipped_checkpoint
 
 SYSTEM = "You are a helpful assistant that can interact with a computer shell to solve programming tasks."
 SCRIPTED_TOOLS = (
-    ("python -m pytest -q tests/test_cache.py", "F.\nFAILED tests/test_cache.py::test_evict - assert 3 == 4\n1 failed, 1 passed in 0.21s"),
-    ("sed -n 1,12p src/cache.py", "class Cache:\n    def __init__(self, size):\n        self.size = size - 1\n        self.items = {}\n"),
+    ("python -m pytest -q tests/test_cache.py",
+     "F.\nFAILED tests/test_cache.py::test_evict - assert 3 == 4\n1 failed, 1 passed in 0.21s"),
+    ("sed -n 1,12p src/cache.py",
+     "class Cache:\n    def __init__(self, size):\n        self.size = size - 1\n        self.items = {}\n"),
     ("sed -i 's/size - 1/size/' src/cache.py && python -m pytest -q tests/test_cache.py", "..\n2 passed in 0.18s"),
     ("git diff", "-        self.size = size - 1\n+        self.size = size\n"),
 )  # fmt: skip

@@ -92,7 +92,10 @@ AGENT_CHAT = [
     {"role": "user", "content": "Thanks."},
 ]
 TOOLS = [
-    {"type": "function", "function": {"name": "bash", "description": "Run a command.", "parameters": {"type": "object"}}},
+    {
+        "type": "function",
+        "function": {"name": "bash", "description": "Run a command.", "parameters": {"type": "object"}},
+    },
     {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}},
 ]
 

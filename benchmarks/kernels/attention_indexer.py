@@ -550,7 +550,8 @@ def main() -> None:
     else:
         results["ceilings"] = ceilings = measure_ceilings(timer)
         print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-        results["checks"] = check_attention() + check_indexer() + guarded(lambda: [check_network(path)], "network check")
+        network = guarded(lambda: [check_network(path)], "network check")
+        results["checks"] = check_attention() + check_indexer() + network
         launches: dict[str, LaunchShape] = {}
         if args.sweep:
             results["sweep"] = guarded(lambda: sweep_attention_launch(timer), "sweep")

@@ -58,7 +58,9 @@ class Server(Protocol):
 
     url: str
 
-    def stream(self, messages: list[Message], output_tokens: int, tools: Sequence[Message]) -> AsyncIterator[StreamEvent]:
+    def stream(
+        self, messages: list[Message], output_tokens: int, tools: Sequence[Message]
+    ) -> AsyncIterator[StreamEvent]:
         """Send one turn (the whole history, the tools it defines) and yield its reply as it arrives."""
         ...
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,15 +19,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 for SGLang")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser("tiny", help="build the tiny V4 checkpoint (the embedded default)")
+    tiny = commands.add_parser("tiny", help="build a tiny V4 checkpoint with random weights (the test builder)")
     tiny.add_argument("out_dir", type=Path)
 
     generate = commands.add_parser("generate", help="greedy continuation of a prompt with the torch network")
-    generate.add_argument("--model", type=Path, help="V4 checkpoint directory (default: build the tiny one)")
+    generate.add_argument("--model", type=Path, help="V4 checkpoint directory (default: the shipped tiny one)")
     generate.add_argument("--prompt", default="def fix_bug(request):")
     generate.add_argument("--max-new-tokens", type=int, default=32)
 
-    demo = commands.add_parser("demo", help="serve the tiny checkpoint and run a multi-turn agent program on it")
+    demo = commands.add_parser("demo", help="serve the shipped tiny checkpoint and run a multi-turn agent on it")
     demo.add_argument("--task", default="Fix the failing test in tests/test_cache.py.")
 
     plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
@@ -65,26 +63,23 @@ def _generate(model_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
     from transformers import AutoTokenizer
 
     from . import load_model
-    from .tiny import build_checkpoint
+    from .tiny import shipped_checkpoint
 
-    with tempfile.TemporaryDirectory() as scratch:
-        if model_dir is None:
-            model_dir = build_checkpoint(Path(scratch) / "tiny")
-            print(f"built the tiny checkpoint in {model_dir}", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = load_model(model_dir)
-        ids = torch.tensor(tokenizer.encode(prompt), dtype=torch.long)
-        state = model.new_state()
-        started = time.perf_counter()
-        logits = model(ids, state)
-        generated: list[int] = []
-        for _ in range(max_new_tokens):
-            token = int(logits[-1].argmax())
-            generated.append(token)
-            if token == model.config.eos_token_id:
-                break
-            logits = model(torch.tensor([token]), state)
-        elapsed = time.perf_counter() - started
+    model_dir = model_dir or shipped_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    ids = torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False)])
+    state = model.new_state()
+    started = time.perf_counter()
+    logits = model(ids, state)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits[-1].argmax())
+        generated.append(token)
+        if token == model.config.eos_token_id:
+            break
+        logits = model(torch.tensor([token]), state)
+    elapsed = time.perf_counter() - started
     print(f"prompt ({len(ids)} tokens): {prompt!r}")
     print(f"continuation ({len(generated)} tokens, {elapsed:.2f}s): {tokenizer.decode(generated)!r}")
 

@@ -1,6 +1,9 @@
-"""The embedded default: a tiny DeepSeek-V4 checkpoint with a tokenizer, built offline.
+"""The embedded default: a tiny DeepSeek-V4 trained on agent text, and a builder of random ones.
 
-``python -m sglang_dsv4.tiny OUT_DIR`` writes, deterministically and in a second or two:
+The package ships a trained tiny checkpoint (:func:`shipped_checkpoint`, ``sglang_dsv4/checkpoints/tiny``,
+written by ``benchmarks/train_tiny.py``): what ``dsv4 demo`` serves and ``dsv4 generate`` runs by default.
+``python -m sglang_dsv4.tiny OUT_DIR`` writes, deterministically and in a second or two, a checkpoint of the
+same shape with random weights (what the server tests run on, and any config they need):
 
 * ``config.json`` in the release (hub) style, keeping every V4 feature at toy size:
   window-only, ratio-4 and ratio-128 layers, hash-routed and gated MoE layers, mHC with
@@ -9,8 +12,8 @@
   randomised ``tid2eid``, attention sinks, gate biases and mHC scales (a zero or constant
   there would leave the feature untested); the output head is scaled so next-token
   distributions are peaked and greedy comparisons between implementations are meaningful;
-* a byte-level BPE tokenizer trained on text generated here, with a chat template for
-  system, user, assistant (with ``tool_calls``) and tool messages.
+* the shipped checkpoint's tokenizer: a byte-level BPE trained on the same agent text, with the chat
+  template of :mod:`sglang_dsv4.chat_template` (DeepSeek-V4's format: tools, tool calls, tool results).
 """
 
 from __future__ import annotations
@@ -18,32 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from .chat_template import BOS, CHAT_TEMPLATE, EOS, SPECIAL_TOKENS
 from .config import parse_config
 from .model.loader import release_state_dict
 from .model.network import DeepseekV4
 
 VOCAB_SIZE = 1024
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-SPECIAL_TOKENS = [
-    BOS,
-    EOS,
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<｜tool▁calls▁begin｜>",
-    "<｜tool▁calls▁end｜>",
-    "<｜tool▁call▁begin｜>",
-    "<｜tool▁call▁end｜>",
-    "<｜tool▁sep｜>",
-    "<｜tool▁output▁begin｜>",
-    "<｜tool▁output▁end｜>",
-]
+SHIPPED = Path(__file__).parent / "checkpoints" / "tiny"
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -97,29 +88,6 @@ TINY_CONFIG: dict[str, Any] = {
 # top-1 logit stands well clear of the second on most steps.
 HEAD_GAIN = 6.0
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- for message in messages -%}"
-    "{%- set content = message['content'] if message['content'] is string else"
-    " (message['content'] or []) | map(attribute='text') | join('') -%}"
-    "{%- if message['role'] == 'system' -%}{{ content }}"
-    "{%- elif message['role'] == 'user' -%}<｜User｜>{{ content }}"
-    "{%- elif message['role'] == 'assistant' -%}<｜Assistant｜>{{ content }}"
-    "{%- if message.get('tool_calls') -%}<｜tool▁calls▁begin｜>"
-    "{%- for call in message['tool_calls'] -%}"
-    "<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
-    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
-    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}"
-    "<｜tool▁call▁end｜>"
-    "{%- endfor -%}<｜tool▁calls▁end｜>"
-    "{%- endif -%}{{ eos_token }}"
-    "{%- elif message['role'] == 'tool' -%}<｜tool▁output▁begin｜>{{ content }}<｜tool▁output▁end｜>"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}"
-)
-
-
 def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> Path:
     """Write a tiny checkpoint (config, weights, tokenizer) to ``out_dir``; return it."""
     out = Path(out_dir)
@@ -128,8 +96,15 @@ def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, 
     model = random_model(raw, seed=seed)
     save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    build_tokenizer(raw["vocab_size"]).save_pretrained(out)
+    shipped_tokenizer(raw["vocab_size"]).save_pretrained(out)
     return out
+
+
+def shipped_checkpoint() -> Path:
+    """The trained tiny checkpoint inside the package (config, release-named weights, tokenizer)."""
+    if not (SHIPPED / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no trained tiny checkpoint at {SHIPPED}: run benchmarks/train_tiny.py")
+    return SHIPPED
 
 
 def random_model(raw_config: dict[str, Any], *, seed: int) -> DeepseekV4:
@@ -172,44 +147,19 @@ def _random_tensor(name: str, like: torch.Tensor, num_experts: int, gen: torch.G
     return normal(1 / math.sqrt(shape[-1]))
 
 
-def training_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
-    """Deterministic text shaped like agent traffic: prose, code, shell, tool-call JSON."""
-    rng = random.Random(seed)
-    words = (
-        "the a an of to in is for on with that this it as by be are from at or not we you file"
-        " function test error value model request server cache token prefix layer window block"
-        " expert attention compress index state memory page tree turn agent tool call output input"
-        " fix bug issue patch change run check return list string number config path line class"
-    ).split()
-    names = "data result item node count index path value config buffer request cache".split()
-    commands = ["ls -la", "cat", "grep -rn", "git diff", "python -m pytest", "sed -n", "find . -name", "pip install"]
-    texts = []
-    for _ in range(lines):
-        kind = rng.randrange(5)
-        if kind == 0:
-            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(5, 16)))
-            texts.append(sentence.capitalize() + rng.choice([".", "?", "!", ":"]))
-        elif kind == 1:
-            name, arg = rng.choice(names), rng.choice(names)
-            texts.append(f"def {name}_{rng.choice(words)}({arg}):\n    return {arg}[{rng.randint(0, 99)}]")
-        elif kind == 2:
-            texts.append(f"$ {rng.choice(commands)} src/{rng.choice(names)}_{rng.randint(0, 999)}.py")
-        elif kind == 3:
-            payload = {
-                "command": rng.choice(commands),
-                "path": f"/repo/{rng.choice(names)}.py",
-                "line": rng.randint(1, 500),
-            }
-            texts.append(json.dumps({"name": "bash", "arguments": payload}))
-        else:
-            texts.append(
-                f"{rng.choice(names)} = {rng.randint(-1000, 100000)} # {rng.choice(words)} {rng.choice(words)}"
-            )
-    return texts
+def shipped_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """The shipped checkpoint's tokenizer (``transformers.PreTrainedTokenizerFast``) with the chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(shipped_checkpoint())
+    if len(tokenizer) != vocab_size:
+        raise ValueError(f"the shipped tokenizer has {len(tokenizer)} tokens; the config's vocab_size is {vocab_size}")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE):
-    """A byte-level BPE tokenizer (``transformers.PreTrainedTokenizerFast``) with the chat template."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer trained on ``texts``, V4's chat special tokens first (ids 0, 1, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -222,7 +172,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"trained vocabulary has {tokenizer.get_vocab_size()} tokens, {vocab_size} wanted")
     return PreTrainedTokenizerFast(

@@ -77,7 +77,7 @@ class FakeServer:
         self.applied: list[dict] = []
         self.error: str | None = None
 
-    async def stream(self, messages, output_tokens) -> AsyncIterator[TokensArrived | Usage]:
+    async def stream(self, messages, output_tokens, tools) -> AsyncIterator[TokensArrived | Usage]:
         self.requests += 1
         if self.error:
             raise ServerError(self.error)

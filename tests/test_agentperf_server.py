@@ -14,7 +14,7 @@ from sglang_dsv4.agentperf.benchmark import Configuration, Settings, measure
 from sglang_dsv4.agentperf.server import GenerateServer, TokensArrived, Usage
 from sglang_dsv4.agentperf.slo import Slo, nearest_rank
 from sglang_dsv4.agentperf.synthetic import synthesize
-from sglang_dsv4.agentperf.trajectory import ToolLatency, TraceScale
+from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS, ToolLatency, TraceScale
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 
 # Short turns (at most 16 tokens out, histories under 512 tokens) keep the run within seconds on a busy CPU.
@@ -78,13 +78,24 @@ def test_short_cpg_run_completes_every_turn_and_reports_what_it_timed(server):
 
 
 def test_generate_api_sends_the_history_as_the_chat_templates_token_ids(server, tiny_path):
-    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "tests fail: ÿ→é"}]
-    chat = requests.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "pytest -x"}'}}
+    messages = [
+        {"role": "system", "content": "You fix bugs."},
+        {"role": "user", "content": "tests fail: ÿ→é"},
+        {"role": "assistant", "content": "Running them.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1 failed"},
+    ]
+    chat = requests.post(
+        f"{server}/v1/chat/completions",
+        json={"messages": messages, "tools": list(SESSION_TOOLS), "max_tokens": 1},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
 
     async def one_turn() -> list:
         async with aiohttp.ClientSession() as session:
             generate = GenerateServer(server, session, AutoTokenizer.from_pretrained(tiny_path))
-            return [event async for event in generate.stream(messages, output_tokens=5)]
+            return [event async for event in generate.stream(messages, 5, SESSION_TOOLS)]
 
     events = asyncio.run(one_turn())
     assert [event.total for event in events if isinstance(event, TokensArrived)] == [1, 2, 3, 4, 5]

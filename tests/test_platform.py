@@ -10,7 +10,7 @@ import torch
 
 from sglang_dsv4 import platform
 from sglang_dsv4.launch import running_server
-from sglang_dsv4.tiny import build_tokenizer
+from sglang_dsv4.tiny import shipped_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # peaked next-token distributions
     model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    shipped_tokenizer().save_pretrained(path)
     return path
 
 

@@ -16,6 +16,7 @@ import requests
 from conftest import random_ids
 from test_v4_server import assert_everything_free, pool_usage
 
+from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
 from sglang_dsv4.launch import running_server
 from sglang_dsv4.prefix_cache import mode_code
 
@@ -171,19 +172,37 @@ def test_per_request_keeps_checkpoint_windows_all_committed_keeps_every_token(se
 
 
 def chat_prompts() -> list[list[dict]]:
-    """Each request of the recorded excerpt: every message before an assistant message (tool
-    outputs sent as user messages, which the tiny chat template knows)."""
+    """Each request of the recorded excerpt: every message before an assistant message, tool calls and
+    tool results as recorded."""
     messages, prompts = [], []
     for message in json.loads(RECORDED_SESSION.read_text())["messages"]:
         if message["role"] == "assistant":
             prompts.append([dict(m) for m in messages])
-        messages.append(
-            {"role": "user" if message["role"] == "tool" else message["role"], "content": message["content"]}
-        )
+        messages.append(message)
     return prompts
 
 
-def test_chat_turns_from_a_recorded_session_reuse_their_common_prefix(server, tiny_path):
+def with_parsed_arguments(messages: list[dict]) -> list[dict]:
+    """What SGLang's chat serving hands the template: tool-call arguments parsed from their JSON."""
+    parsed = []
+    for message in messages:
+        calls = [
+            {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+            for call in message.get("tool_calls", [])
+        ]
+        parsed.append({**message, "tool_calls": calls} if calls else message)
+    return parsed
+
+
+def chat(url: str, messages: list[dict], **payload) -> dict:
+    """A greedy chat turn with the recorded session's tools defined."""
+    body = {"model": "default", "messages": messages, "tools": list(SESSION_TOOLS), "temperature": 0, **payload}
+    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_turns_from_a_recorded_session_with_its_tools_reuse_their_common_prefix(server, tiny_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_path))
@@ -192,10 +211,11 @@ def test_chat_turns_from_a_recorded_session_reuse_their_common_prefix(server, ti
     interval = prefix_cache_state(server)["checkpoint_interval"]
     previous_ids = None
     for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        body = {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0}
-        usage = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300).json()["usage"]
-        assert usage["prompt_tokens"] == len(ids)
+        ids = tokenizer.apply_chat_template(
+            with_parsed_arguments(messages), tools=list(SESSION_TOOLS), add_generation_prompt=True, return_dict=False
+        )
+        usage = chat(server, messages, max_tokens=4)["usage"]
+        assert usage["prompt_tokens"] == len(ids)  # the tool definitions, calls and results are all in the prompt
         if previous_ids is not None:
             # Checkpoints on the previous prompt: its end, one token before it, every interval.
             reusable = min(common_prefix(previous_ids, ids), len(ids) - 1)
@@ -203,6 +223,22 @@ def test_chat_turns_from_a_recorded_session_reuse_their_common_prefix(server, ti
             expected = max([*ends, reusable // interval * interval])
             assert usage["prompt_tokens_details"]["cached_tokens"] == expected
         previous_ids = ids
+
+
+def test_a_chat_turn_after_a_tool_result_resumes_from_the_cache_as_a_cold_prefill_would(server):
+    flush(server)
+    *_, before, after = chat_prompts()
+    assert after[-1]["role"] == "tool" and after[: len(before)] == before  # a reply with a tool call, its result
+    first = chat(server, before, max_tokens=8)
+    resumed = chat(server, after, max_tokens=8, logprobs=True)
+    assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    flush(server)
+    cold = chat(server, after, max_tokens=8, logprobs=True)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert resumed["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    resumed_logprobs = [token["logprob"] for token in resumed["choices"][0]["logprobs"]["content"]]
+    cold_logprobs = [token["logprob"] for token in cold["choices"][0]["logprobs"]["content"]]
+    assert resumed_logprobs == pytest.approx(cold_logprobs, abs=TOLERANCE)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
+import pytest
 from conftest import random_ids
 from safetensors.torch import load_file
 
 from sglang_dsv4 import load_config
+from sglang_dsv4.chat_template import DSML, SPECIAL_TOKENS, TOOLS_CLOSING
 from sglang_dsv4.tiny import build_checkpoint
 
 
@@ -61,7 +64,7 @@ def test_next_token_distributions_are_peaked(tiny_model):
     assert (margins > 1e-2).float().mean() > 0.9, f"median top-1 margin {margins.median():.3g}"
 
 
-def test_tokenizer_loads_and_renders_agent_chats(tiny_path):
+def test_tokenizer_round_trips_text_and_keeps_the_configs_ids(tiny_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
@@ -70,23 +73,92 @@ def test_tokenizer_loads_and_renders_agent_chats(tiny_path):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config.bos_token_id, config.eos_token_id)
     text = "def fix(path):\n    return open(path).read()  # ünïcode ✓"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
-    messages = [
-        {"role": "system", "content": "You are a coding agent."},
-        {"role": "user", "content": "List the files."},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "README.md"},
-    ]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == (
-        "<｜begin▁of▁sentence｜>You are a coding agent.<｜User｜>List the files.<｜Assistant｜>"
-        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>bash<｜tool▁sep｜>{"cmd": "ls"}<｜tool▁call▁end｜>'
-        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁output▁begin｜>README.md<｜tool▁output▁end｜><｜Assistant｜>"
-    )
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert ids[0] == config.bos_token_id and max(ids) < config.vocab_size
+
+
+AGENT_CHAT = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "List the files, then count them."},
+    {
+        "role": "assistant",
+        "content": "Listing.",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls", "depth": 2}}},
+            {"id": "c2", "type": "function", "function": {"name": "read", "arguments": {"opts": {"all": True}}}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "README.md\nsetup.py"},
+    {"role": "tool", "tool_call_id": "c2", "content": "[]"},
+    {"role": "assistant", "content": "Two files."},
+    {"role": "user", "content": "Thanks."},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "bash", "description": "Run a command.", "parameters": {"type": "object"}},
+    },
+    {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def v4_encoder_prompt(messages: list[dict], tools: list[dict]) -> str:
+    """The conversation as DeepSeek-V4's own encoder (``deepseek_recipe``, SGLang's dependency) renders it."""
+    import deepseek_recipe as recipe
+
+    def message(m: dict):
+        if m["role"] == "system":
+            return recipe.SystemMessage(m["content"])
+        if m["role"] == "user":
+            return recipe.UserMessage(m["content"])
+        if m["role"] == "tool":
+            return recipe.ToolMessage(m["content"], tool_call_id=m["tool_call_id"])
+        calls = [
+            recipe.ToolCall(id=c["id"], name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"]))
+            for c in m.get("tool_calls", [])
+        ]
+        return recipe.AssistantMessage(m["content"], tool_calls=calls or None)
+
+    definitions = [recipe.ToolDefinition(name=t["function"]["name"], description=t["function"].get("description"),
+                                         parameters=t["function"]["parameters"]) for t in tools]  # fmt: skip
+    conversation = recipe.Conversation([message(m) for m in messages], thinking_mode=False, tools=definitions)
+    return recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
+
+
+def without_tool_prose(prompt: str, closing: str) -> str:
+    """The prompt with the tools section's instructions cut out: what stays is V4's layout and the schema lines."""
+    head, rest = prompt.split("\n\n## Tools\n\n", 1)
+    schemas = rest.split("### Available Tool Schemas\n\n", 1)[1].split(closing, 1)[0]
+    return head + "|" + schemas + "|" + rest[rest.index("<｜User｜>") :]
+
+
+def test_chat_template_renders_tools_calls_and_results_as_deepseek_v4_does(tiny_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    ours = tokenizer.apply_chat_template(AGENT_CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    theirs = v4_encoder_prompt(AGENT_CHAT, TOOLS)
+    assert '<｜DSML｜parameter name="depth" string="false">2</｜DSML｜parameter>' in ours
+    assert without_tool_prose(ours, TOOLS_CLOSING.rstrip("\n")) == without_tool_prose(theirs, "\n\nYou MUST")
+    assert ours.removeprefix(ours.split("<｜User｜>")[0]) == theirs.removeprefix(theirs.split("<｜User｜>")[0])
+    plain = [m for m in AGENT_CHAT if m["role"] in ("system", "user")]
+    no_tools = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert no_tools == v4_encoder_prompt(plain, [])
+
+
+def test_special_tokens_of_the_format_are_single_ids(tiny_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    rendered = tokenizer.apply_chat_template(AGENT_CHAT, tools=TOOLS, add_generation_prompt=True)["input_ids"]
+    for token in SPECIAL_TOKENS:
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    dsml = tokenizer.convert_tokens_to_ids(DSML)
+    assert rendered[0] == tokenizer.bos_token_id and rendered.count(dsml) > 10
+
+
+def test_tool_call_arguments_given_as_a_string_are_refused(tiny_path):
+    from transformers import AutoTokenizer
+
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+    messages = [{"role": "user", "content": "ls"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    with pytest.raises(Exception, match="arguments must be a JSON object"):
+        AutoTokenizer.from_pretrained(tiny_path).apply_chat_template(messages, tokenize=False)

@@ -15,7 +15,10 @@
    over context/4 keys, the top-k over those scores; each against its torch reference timed
    in the same run, with bytes and FLOPs counted and the floor they imply at the ceilings;
 4. times the temporal top-k against the plain one on synthetic score streams of controlled
-   step-to-step overlap and on the tiny model's own indexer scores at long context.
+   step-to-step overlap and on the shipped (trained) tiny model's own indexer scores during greedy
+   decode after a long prompt of real code (``benchmarks/indexer_streams.py``).
+
+``--only-tiny`` runs the network check and the tiny-model rows alone.
 
 Timings: median over repetitions, the L2 cache flushed before each. Our kernels are timed as
 served, captured in a CUDA graph and replayed (no Python launch cost); the torch references
@@ -36,7 +39,6 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -54,6 +56,7 @@ from sglang_dsv4.kernels.attention import (
 )
 from sglang_dsv4.kernels.indexer import index_scores, index_scores_reference
 from sglang_dsv4.kernels.topk import temporal_top_k, top_k, top_k_reference
+from sglang_dsv4.tiny import shipped_checkpoint
 
 HEAD_DIM, ROPE_DIM, WINDOW = 512, 64, 128
 INDEX_HEADS, INDEX_DIM = 64, 128
@@ -325,19 +328,6 @@ def check_indexer() -> list[dict]:
     return results
 
 
-def tiny_checkpoint() -> Path:
-    """The tiny model's weights and config (no tokenizer needed here)."""
-    from safetensors.torch import save_file
-
-    from sglang_dsv4.model.loader import release_state_dict
-    from sglang_dsv4.tiny import TINY_CONFIG, random_model
-
-    path = Path(tempfile.mkdtemp())
-    save_file(release_state_dict(random_model(dict(TINY_CONFIG), seed=0)), path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
-    return path
-
-
 def check_network(path: Path) -> dict:
     """The tiny model on CUDA (kernels) against CPU (torch reference): 600-token prefill, then 8 decode steps."""
     from sglang_dsv4 import load_model
@@ -472,39 +462,23 @@ def bench_temporal_synthetic(timer: Timer) -> list[dict]:
     return rows
 
 
-def tiny_model_streams(path: Path, context: int, steps: int) -> list[torch.Tensor]:
-    """The tiny model's indexer scores (first ratio-4 layer) at each of ``steps`` greedy decode steps after
-    a ``context``-token prompt: one ``[visible entries]`` float32 tensor per step."""
+def tiny_model_streams(path: Path, context: int, steps: int) -> dict[int, list[torch.Tensor]]:
+    """The shipped tiny model's indexer scores, per ratio-4 layer, at each of ``steps`` greedy decode steps
+    after a ``context``-token prompt of real code: one ``[visible entries]`` float32 tensor per step."""
+    from benchmarks.indexer_streams import score_streams, source_prompt
     from sglang_dsv4 import load_model
 
-    model = load_model(path, device="cuda")
-    layer = next(i for i in range(model.config.num_layers) if model.config.layer_kind(i) == "csa")
-    attention = model.layers[layer].attn
-    recorded: list[torch.Tensor] = []
-
-    def record(module, args, output):
-        x, start, state = args
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
-        q_residual = module.q_norm(module.wq_a(x))
-        visible = (int(positions[-1]) + 1) // 4
-        keys = state.indexer.entries[:visible]
-        recorded.append(module.indexer.scores(x[-1:], q_residual[-1:], positions[-1:], keys)[0])
-
-    ids = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1))
-    state = model.new_state()
-    for first in range(0, context, 4096):
-        logits = model(ids[first : first + 4096], state)
-    handle = attention.register_forward_hook(record)
-    token = logits[-1].argmax()
-    for _ in range(steps):
-        logits = model(token[None], state)
-        token = logits[-1].argmax()
-    handle.remove()
-    return recorded
+    return score_streams(load_model(path, device="cuda"), source_prompt(context), steps, chunk=4096)
 
 
 def bench_temporal_tiny(timer: Timer, path: Path, context: int) -> list[dict]:
-    streams = tiny_model_streams(path, context, steps=33)
+    rows = []
+    for layer, streams in tiny_model_streams(path, context, steps=33).items():
+        rows += temporal_rows(timer, f"tiny model layer {layer}, {context} tokens", streams)
+    return rows
+
+
+def temporal_rows(timer: Timer, name: str, streams: list[torch.Tensor]) -> list[dict]:
     rows = []
     for k in (16, 512):
         for batch in (1, 64):
@@ -525,7 +499,7 @@ def bench_temporal_tiny(timer: Timer, path: Path, context: int) -> list[dict]:
                     max_reps=100,
                 )
             steps = len(streams) - 1
-            rows.append({"stream": f"tiny model, {context} tokens ({streams[-1].shape[0]} entries)", "batch": batch,
+            rows.append({"stream": f"{name} ({streams[-1].shape[0]} entries)", "batch": batch,
                          "k": k, "width": streams[-1].shape[0], "overlap": statistics.mean(overlaps),
                          "plain_us": plain_total / steps, "temporal_us": temporal_total / steps,
                          "speedup": plain_total / temporal_total, "exact": exact})  # fmt: skip
@@ -558,6 +532,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep the attention kernel's tile sizes")
     parser.add_argument("--tiny-context", type=int, default=32768, help="prompt length of the tiny-model stream")
     parser.add_argument("--profile", action="store_true", help="run one attention and one top-k call, for ncu")
+    parser.add_argument("--only-tiny", action="store_true", help="the network check and the tiny-model rows alone")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.profile:
@@ -567,30 +542,34 @@ def main() -> None:
     timer = Timer(budget_ms=40)
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                   "triton": triton.__version__}  # fmt: skip
-    results["ceilings"] = ceilings = measure_ceilings(timer)
-    print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    path = tiny_checkpoint()
-    checks = check_attention() + check_indexer() + guarded(lambda: [check_network(path)], "network check")
-    results["checks"] = checks
-    for check in checks:
-        print(("PASS " if check["ok"] else "FAIL ") + json.dumps(check), flush=True)
-    launches: dict[str, LaunchShape] = {}
-    if args.sweep:
-        results["sweep"] = guarded(lambda: sweep_attention_launch(timer), "sweep")
-        for row in results["sweep"]:
-            print(json.dumps(row), flush=True)
-        launches = best_launches(results["sweep"])
-    results["launches"] = {model: str(launch) for model, launch in launches.items()}
-    results["topk_stages"] = guarded(lambda: bench_topk_stages(timer), "top-k stages")
-    for row in results["topk_stages"]:
-        print(json.dumps(row), flush=True)
+    path = shipped_checkpoint()
     args.out.mkdir(parents=True, exist_ok=True)
-    sections = {
-        "attention": lambda: bench_attention(timer, ceilings, args.quick, launches),
-        "indexer": lambda: bench_indexer(timer, ceilings, args.quick),
-        "temporal": lambda: bench_temporal_synthetic(timer),
-        "temporal_tiny_model": lambda: bench_temporal_tiny(timer, path, args.tiny_context),
-    }
+    if args.only_tiny:
+        results["checks"] = guarded(lambda: [check_network(path)], "network check")
+        sections = {"temporal_tiny_model": lambda: bench_temporal_tiny(timer, path, args.tiny_context)}
+    else:
+        results["ceilings"] = ceilings = measure_ceilings(timer)
+        print(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+        network = guarded(lambda: [check_network(path)], "network check")
+        results["checks"] = check_attention() + check_indexer() + network
+        launches: dict[str, LaunchShape] = {}
+        if args.sweep:
+            results["sweep"] = guarded(lambda: sweep_attention_launch(timer), "sweep")
+            for row in results["sweep"]:
+                print(json.dumps(row), flush=True)
+            launches = best_launches(results["sweep"])
+        results["launches"] = {model: str(launch) for model, launch in launches.items()}
+        results["topk_stages"] = guarded(lambda: bench_topk_stages(timer), "top-k stages")
+        for row in results["topk_stages"]:
+            print(json.dumps(row), flush=True)
+        sections = {
+            "attention": lambda: bench_attention(timer, ceilings, args.quick, launches),
+            "indexer": lambda: bench_indexer(timer, ceilings, args.quick),
+            "temporal": lambda: bench_temporal_synthetic(timer),
+            "temporal_tiny_model": lambda: bench_temporal_tiny(timer, path, args.tiny_context),
+        }
+    for check in results["checks"]:
+        print(("PASS " if check["ok"] else "FAIL ") + json.dumps(check), flush=True)
     for name, section in sections.items():
         results[name] = guarded(section, name)
         results["seconds"] = time.time() - began
@@ -628,14 +607,14 @@ def guarded(section: Callable[[], list[dict]], name: str) -> list[dict]:
 
 def print_tables(results: dict) -> None:
     print("\nkernel | model | kind | context | batch | us | torch us | speedup | floor us (bound) | of floor")
-    for row in results["attention"] + results["indexer"]:
+    for row in results.get("attention", []) + results.get("indexer", []):
         if "error" in row:
             continue
         print(f"{row['kernel']} | {row['model']} | {row['kind']} | {row['context']} | {row['batch']} | "
               f"{row['us']:.1f} | {row['torch_us']:.1f} | {row['speedup']:.1f}x | "
               f"{row['floor_us']:.1f} ({row['bound']}) | {row['of_floor']:.0%}")  # fmt: skip
     print("\nstream | batch | k | width | overlap | plain us | temporal us | speedup | exact")
-    for row in results["temporal"] + results["temporal_tiny_model"]:
+    for row in results.get("temporal", []) + results["temporal_tiny_model"]:
         if "error" in row:
             continue
         print(f"{row['stream']} | {row['batch']} | {row['k']} | {row['width']} | {row['overlap']:.2f} | "

@@ -160,7 +160,7 @@ async def _prime(server: Server, timeout_s: float, budget: RequestBudget) -> Non
         return
     try:
         async with asyncio.timeout(timeout_s):
-            async for _ in server.stream([{"role": "user", "content": "Hello."}], 2):
+            async for _ in server.stream([{"role": "user", "content": "Hello."}], 2, ()):
                 pass
     except (TimeoutError, ServerError):
         pass

@@ -143,7 +143,7 @@ class _Agent:
                 self.trial.cut_short = "the benchmark's request limit was reached"
                 return False
             history.extend(turn.new_messages)
-            record, reply = await self._request(trajectory.name, number, turn, history)
+            record, reply = await self._request(trajectory, number, turn, history)
             self.trial.records.append(record)
             await asyncio.sleep(turn.tool_latency_s)
             if record.error is not None:
@@ -151,11 +151,13 @@ class _Agent:
             history.append(reply if self.plan.served_history or turn.recorded_reply is None else turn.recorded_reply)
         return True
 
-    async def _request(self, name: str, number: int, turn: Turn, history: list[Message]) -> tuple[TurnRecord, Message]:
+    async def _request(
+        self, trajectory: Trajectory, number: int, turn: Turn, history: list[Message]
+    ) -> tuple[TurnRecord, Message]:
         sent_at = self.clock()
         record = TurnRecord(
             agent=self.index,
-            trajectory=name,
+            trajectory=trajectory.name,
             turn=number,
             sent_at=sent_at,
             first_token_at=None,
@@ -170,7 +172,7 @@ class _Agent:
         text: list[str] = []
         try:
             async with asyncio.timeout(self.plan.request_timeout_s):
-                async for event in self.server.stream(list(history), turn.output_tokens):
+                async for event in self.server.stream(list(history), turn.output_tokens, trajectory.tools):
                     self._note(record, event, text)
         except TimeoutError:
             record.error = f"no complete reply within {self.plan.request_timeout_s:g}s"

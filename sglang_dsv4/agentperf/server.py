@@ -15,7 +15,7 @@ import asyncio
 import ipaddress
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -58,8 +58,10 @@ class Server(Protocol):
 
     url: str
 
-    def stream(self, messages: list[Message], output_tokens: int) -> AsyncIterator[StreamEvent]:
-        """Send one turn (the whole history) and yield its reply as it arrives."""
+    def stream(
+        self, messages: list[Message], output_tokens: int, tools: Sequence[Message]
+    ) -> AsyncIterator[StreamEvent]:
+        """Send one turn (the whole history, the tools it defines) and yield its reply as it arrives."""
         ...
 
     async def apply(self, server_args: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,10 +174,13 @@ class ChatServer(_HttpServer):
         super().__init__(url, session)
         self.model = model
 
-    async def stream(self, messages: list[Message], output_tokens: int) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, messages: list[Message], output_tokens: int, tools: Sequence[Message]
+    ) -> AsyncIterator[StreamEvent]:
         payload = {
             "model": self.model,
             "messages": messages,
+            **({"tools": list(tools)} if tools else {}),
             "max_tokens": output_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -205,9 +210,11 @@ class GenerateServer(_HttpServer):
         super().__init__(url, session)
         self.tokenizer = tokenizer
 
-    async def stream(self, messages: list[Message], output_tokens: int) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, messages: list[Message], output_tokens: int, tools: Sequence[Message]
+    ) -> AsyncIterator[StreamEvent]:
         # Off the event loop: a long history takes milliseconds to tokenize, which would delay other agents' clocks.
-        input_ids = await asyncio.to_thread(self._token_ids, messages)
+        input_ids = await asyncio.to_thread(self._token_ids, messages, tools)
         payload = {
             "input_ids": input_ids,
             "sampling_params": {"max_new_tokens": output_tokens, "ignore_eos": True},
@@ -223,9 +230,28 @@ class GenerateServer(_HttpServer):
         if meta:
             yield Usage(meta.get("completion_tokens", 0), meta.get("prompt_tokens"), meta.get("cached_tokens"))
 
-    def _token_ids(self, messages: list[Message]) -> list[int]:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def _token_ids(self, messages: list[Message], tools: Sequence[Message]) -> list[int]:
+        """The prompt SGLang's chat serving would render: tool-call arguments parsed, the tools defined."""
+        prompt = self.tokenizer.apply_chat_template(
+            [_parsed_arguments(message) for message in messages],
+            tools=list(tools) or None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _parsed_arguments(message: Message) -> Message:
+    """``message`` with its tool calls' JSON ``arguments`` as objects, as chat templates take them."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [
+        {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+        if isinstance(call["function"]["arguments"], str)
+        else call
+        for call in message["tool_calls"]
+    ]
+    return {**message, "tool_calls": calls}
 
 
 async def first_model(url: str, session: aiohttp.ClientSession) -> str:

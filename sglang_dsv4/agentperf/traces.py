@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .synthetic import words
-from .trajectory import Message, ToolLatency, TraceScale, Trajectory, Turn
+from .trajectory import SESSION_TOOLS, Message, ToolLatency, TraceScale, Trajectory, Turn
 
 CHARS_PER_TOKEN = 4
 """Estimate for DeepSeek-style BPEs on code and English, used where a trace gives text but no token count."""
@@ -74,7 +74,7 @@ def _session(row: dict[str, Any], scale: TraceScale, tool_latency: ToolLatency, 
         turns.append(Turn(tuple(pending), output, shortened, tool_latency.draw(rng)))
         sent_tokens += _estimated_tokens(shortened)
         pending = []
-    return Trajectory(str(row.get("id", "session")), tuple(turns))
+    return Trajectory(str(row.get("id", "session")), tuple(turns), SESSION_TOOLS)
 
 
 def _estimated_tokens(message: Message) -> float:

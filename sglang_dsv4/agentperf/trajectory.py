@@ -29,10 +29,28 @@ class Turn:
 
 @dataclass(frozen=True)
 class Trajectory:
-    """One agent session, replayed turn by turn."""
+    """One agent session, replayed turn by turn; every request defines ``tools`` (OpenAI tool definitions)."""
 
     name: str
     turns: tuple[Turn, ...]
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+SESSION_TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a bash command in the repository and return its exit code and output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string", "description": "The command to run."}},
+                "required": ["command"],
+            },
+        },
+    },
+)
+"""The tool the recorded coding-agent sessions call (mini-swe-agent's shell), as an agent defines it."""
 
 
 @dataclass(frozen=True)

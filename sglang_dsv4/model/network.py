@@ -107,6 +107,10 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
         """Logits ``[len(input_ids), vocab]`` (float32) of the new tokens; advances ``state``."""
+        return self.logits(input_ids, state)
+
+    def logits(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
+        """:meth:`forward` with autograd (training): the same network, gradients kept."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(
                 f"input_ids must be 1-D and non-empty (one request's new tokens), got shape {tuple(input_ids.shape)}"

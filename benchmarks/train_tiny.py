@@ -1,0 +1,327 @@
+"""Train the shipped tiny DeepSeek-V4 (``sglang_dsv4/checkpoints/tiny``) on text a coding agent sees.
+
+    python benchmarks/train_tiny.py --sessions ../shared/data/agentic_trajectories.jsonl.gz
+
+Seeded and single-threaded (``torch.set_num_threads(1)``; the host is shared). The corpus:
+
+* the recorded agent sessions rendered through the tiny chat template (V4's format) with the bash tool they
+  call defined: system prompts, tasks, replies, DSML tool calls, shell output in tool results; every tenth
+  session is held out;
+* Python sources: the installed ``sglang`` package's ``.py`` files in path order up to ``--python-mb``, every
+  tenth file held out;
+* the sessions' tool calls as OpenAI-style JSON objects, one a line.
+
+The tokenizer (byte-level BPE, the tiny config's 1,024 ids) is trained on the training split first. The model
+starts from the deterministic random builder (:func:`sglang_dsv4.tiny.random_model`, the output head rescaled
+to a trainable size) and trains with AdamW on random windows of ``--context`` tokens. What learns what:
+
+* every weight of the network learns from next-token cross-entropy, except the lightning indexers (the top-k
+  is a selection, not differentiable) and what the real model does not train by gradient either: the hash
+  layers' ``tid2eid`` tables and the gated layers' routing biases stay as the builder drew them;
+* each indexer learns from its own loss, as DeepSeek-V3.2 trains its lightning indexer: the KL divergence
+  from the main attention's distribution over the compressed entries (summed over heads, detached) to the
+  softmax of the indexer's scores, on detached inputs, so the indexer follows what attention reads.
+
+Writes the checkpoint (release tensor names, through :func:`sglang_dsv4.model.loader.release_state_dict`), a
+loss curve PNG and a JSON record (steps, wall time, held-out perplexity of the trained and the random
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the tokenizer trainer: one core, like the model
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import sglang
+from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
+from sglang_dsv4.model.attention import Attention
+from sglang_dsv4.model.loader import release_state_dict
+from sglang_dsv4.model.network import DeepseekV4
+from sglang_dsv4.tiny import TINY_CONFIG, random_model, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "sglang_dsv4" / "checkpoints" / "tiny"
+
+HELD_OUT_EVERY = 10
+TRAIN_HEAD_STD = 0.02
+
+
+def session_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A recorded session as the chat template takes it: known roles, tool-call arguments parsed."""
+    messages = []
+    for message in row["messages"]:
+        if message["role"] not in ("system", "user", "assistant", "tool"):
+            continue
+        message = {"role": message["role"], "content": message.get("content") or ""} | (
+            {"tool_calls": [_parsed_call(call) for call in message["tool_calls"]]} if message.get("tool_calls") else {}
+        )
+        messages.append(message)
+    return messages
+
+
+def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        arguments = {"command": call["function"]["arguments"]}
+    if not isinstance(arguments, dict):
+        arguments = {"command": json.dumps(arguments)}
+    return {**call, "function": {"name": call["function"]["name"], "arguments": arguments}}
+
+
+def corpus(sessions: Path, python_mb: float, template) -> tuple[list[str], list[str]]:
+    """``(train, held_out)`` documents."""
+    with gzip.open(sessions, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    train: list[str] = []
+    held_out: list[str] = []
+    for index, row in enumerate(rows):
+        messages = session_messages(row)
+        rendered = template(messages, list(SESSION_TOOLS))
+        calls = [
+            json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+            for message in messages
+            for call in message.get("tool_calls", [])
+        ]
+        split = held_out if index % HELD_OUT_EVERY == 0 else train
+        split += [rendered, "\n".join(calls)]
+    sources = Path(sglang.__file__).parent
+    budget = int(python_mb * 1e6)
+    for index, path in enumerate(sorted(sources.rglob("*.py"))):
+        if budget <= 0:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        budget -= len(text)
+        (held_out if index % HELD_OUT_EVERY == 0 else train).append(text)
+    return train, held_out
+
+
+def token_stream(tokenizer, documents: list[str]) -> torch.Tensor:
+    """The documents' ids, each after ``bos`` (rendered sessions already start with it), concatenated."""
+    ids: list[int] = []
+    bos = tokenizer.bos_token_id
+    for document in documents:
+        encoded = tokenizer.encode(document, add_special_tokens=False)
+        ids += encoded if encoded[:1] == [bos] else [bos, *encoded]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, context: int, count: int, rng: random.Random) -> Iterator[torch.Tensor]:
+    for _ in range(count):
+        start = rng.randrange(0, stream.numel() - context - 1)
+        yield stream[start : start + context + 1]
+
+
+class IndexerDistillation:
+    """Records each CSA layer's queries and indexer inputs in a forward, for the indexer's KL loss."""
+
+    def __init__(self, model: DeepseekV4):
+        self.layers = [block.attn for block in model.layers if block.attn.indexer is not None]
+        self.records: dict[int, dict[str, torch.Tensor]] = {}
+        for attn in self.layers:
+            self._wrap(attn)
+
+    def _wrap(self, attn: Attention) -> None:
+        record = self.records.setdefault(id(attn), {})
+        select, attend = attn.indexer.select, attn._attend
+
+        def recording_select(x, q_residual, positions, state, visible):
+            record.update(x=x, q_residual=q_residual, positions=positions, visible=visible)
+            return select(x, q_residual, positions, state, visible)
+
+        def recording_attend(q, keys, visible):
+            record.update(q=q, entries=keys[keys.shape[0] - record["visible"].shape[1] :])
+            return attend(q, keys, visible)
+
+        attn.indexer.select, attn._attend = recording_select, recording_attend
+
+    def loss(self) -> torch.Tensor:
+        """Mean over CSA layers of ``KL(attention over entries || softmax(index scores))``, rows with an entry."""
+        losses = []
+        for attn in self.layers:
+            record = self.records[id(attn)]
+            visible = record["visible"]
+            rows = visible.any(dim=-1)
+            if not rows.any():
+                continue
+            with torch.no_grad():
+                logits = torch.einsum("lhd,kd->lhk", record["q"], record["entries"]) * attn.head_dim**-0.5
+                attention = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+                target = attention.nan_to_num(0.0).sum(dim=1)
+                target = target / target.sum(dim=-1, keepdim=True).clamp_min(1e-9)
+            x = record["x"].detach()
+            indexer = attn.indexer
+            state = indexer.compressor.new_state(x.dtype, x.device)
+            indexer.compressor.advance(x, 0, state)
+            scores = indexer.scores(x, record["q_residual"].detach(), record["positions"], state.entries)
+            log_probs = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            kl = (target * (target.clamp_min(1e-9).log() - log_probs.masked_fill(~visible, 0.0))).sum(dim=-1)
+            losses.append(kl[rows].mean())
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+
+@torch.no_grad()
+def perplexity(model: DeepseekV4, samples: list[torch.Tensor]) -> float:
+    total, count = 0.0, 0
+    for sample in samples:
+        logits = model(sample[:-1], model.new_state())
+        total += F.cross_entropy(logits, sample[1:], reduction="sum").item()
+        count += sample.numel() - 1
+    return math.exp(total / count)
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from sglang_dsv4.chat_template import BOS, CHAT_TEMPLATE, EOS
+
+    compiled = _compile_jinja_template(CHAT_TEMPLATE)
+
+    def template(messages, tools):
+        return compiled.render(messages=messages, tools=tools, bos_token=BOS, eos_token=EOS)
+
+    train_docs, held_docs = corpus(args.sessions, args.python_mb, template)
+    tokenizer = train_tokenizer(train_docs, TINY_CONFIG["vocab_size"])
+    train_ids, held_ids = token_stream(tokenizer, train_docs), token_stream(tokenizer, held_docs)
+    prepared = time.perf_counter() - started
+    print(f"corpus: {len(train_ids):,} training tokens, {len(held_ids):,} held out ({prepared:.0f}s)", flush=True)
+
+    model = random_model(TINY_CONFIG, seed=args.seed)
+    with torch.no_grad():
+        model.head.weight.normal_(0.0, TRAIN_HEAD_STD, generator=torch.Generator().manual_seed(args.seed))
+    held_samples = list(windows(held_ids, args.context, args.eval_windows, random.Random(args.seed + 1)))
+    random_ppl = perplexity(random_model(TINY_CONFIG, seed=0).eval(), held_samples)
+    distillation = IndexerDistillation(model)
+    model.train()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+    curve: list[dict[str, float]] = []
+    train_started = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        lm_total = index_total = 0.0
+        for sample in windows(train_ids, args.context, args.batch, rng):
+            logits = model.logits(sample[:-1], model.new_state())
+            lm_loss = F.cross_entropy(logits, sample[1:])
+            index_loss = distillation.loss()
+            ((lm_loss + index_loss) / args.batch).backward()
+            lm_total += lm_loss.item() / args.batch
+            index_total += index_loss.item() / args.batch
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        point = {"step": step + 1, "loss": lm_total, "indexer_kl": index_total}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            model.eval()
+            point["held_out_ppl"] = perplexity(model, held_samples)
+            model.train()
+            elapsed = time.perf_counter() - train_started
+            print(f"step {step + 1}: loss {lm_total:.3f}, indexer KL {index_total:.3f}, "
+                  f"held-out ppl {point['held_out_ppl']:.2f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
+        curve.append(point)
+    train_s = time.perf_counter() - train_started
+
+    model.eval()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    return {
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch": args.batch,
+        "context": args.context,
+        "lr": args.lr,
+        "training_tokens": int(train_ids.numel()),
+        "held_out_tokens": int(held_ids.numel()),
+        "tokens_seen": args.steps * args.batch * args.context,
+        "threads": 1,
+        "prepare_s": round(prepared, 1),
+        "train_s": round(train_s, 1),
+        "held_out_ppl": curve[-1]["held_out_ppl"],
+        "random_checkpoint_held_out_ppl": random_ppl,
+        "curve": curve,
+    }
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = record["curve"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p["step"] for p in curve], [p["loss"] for p in curve], label="training loss (batch)", lw=0.8)
+    evals = [p for p in curve if "held_out_ppl" in p]
+    ax.plot([p["step"] for p in evals], [math.log(p["held_out_ppl"]) for p in evals], "o-", label="held-out loss")
+    ax.plot([p["step"] for p in curve], [p["indexer_kl"] for p in curve], label="indexer KL", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats per token")
+    ax.set_title(
+        f"tiny V4: {record['tokens_seen'] / 1e6:.1f}M tokens, {record['train_s'] / 60:.0f} min on 1 thread; "
+        f"held-out ppl {record['held_out_ppl']:.1f} (random: {record['random_checkpoint_held_out_ppl']:.3g})",
+        fontsize=9,
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sessions = REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
+    parser.add_argument("--sessions", type=Path, default=sessions)
+    parser.add_argument("--python-mb", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=SHIPPED)
+    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "train_tiny.json")
+    parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "train_tiny.png")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    args = parser.parse_args(argv)
+    record = train(args)
+    args.record.write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, args.plot)
+    random_ppl = record["random_checkpoint_held_out_ppl"]
+    print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {random_ppl:.4g})")
+    print(f"wrote {args.out}, {args.record}, {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The trained tiny checkpoint the package ships: a release checkpoint to the loader, HF's logits, learned text.
+
+The server suites run on the random builder's checkpoint (``tiny_path``: any config, peaked logits that keep
+greedy comparisons clear of near-ties); this module checks what the shipped one adds, and serves it once for
+the demo's agent loop.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_close_to_scale, hf_logits, load_hf
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
+from sglang_dsv4 import load_config, load_model, parse_config
+from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
+from sglang_dsv4.chat_template import CHAT_TEMPLATE
+from sglang_dsv4.demo import SCRIPTED_TOOLS, SYSTEM, run_agent
+from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
+from sglang_dsv4.model.loader import release_state_dict
+from sglang_dsv4.tiny import TINY_CONFIG, random_model, shipped_checkpoint
+
+LOGIT_TOLERANCE = 1e-4  # of the logit scale
+# Text the model never trained on (it trained on the recorded sessions and sglang's own sources): this
+# repository's README.
+UNSEEN_TEXT = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Path:
+    return shipped_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def shipped_model(shipped):
+    return load_model(shipped)
+
+
+@pytest.fixture(scope="module")
+def unseen_ids(shipped) -> torch.Tensor:
+    tokenizer = AutoTokenizer.from_pretrained(shipped)
+    ids = tokenizer.encode(UNSEEN_TEXT.read_text(), add_special_tokens=False)[:1000]
+    return torch.tensor([tokenizer.bos_token_id, *ids])
+
+
+def test_shipped_checkpoint_is_the_tiny_config_in_release_tensor_names(shipped):
+    assert load_config(shipped) == parse_config(TINY_CONFIG)
+    with safe_open(shipped / "model.safetensors", "pt") as tensors:
+        names = set(tensors.keys())
+    assert names == set(release_state_dict(random_model(TINY_CONFIG, seed=0)))
+    assert sum(f.stat().st_size for f in shipped.iterdir()) < 8 * 2**20
+
+
+def test_shipped_tokenizer_carries_the_packages_chat_template(shipped):
+    tokenizer = AutoTokenizer.from_pretrained(shipped)
+    assert tokenizer.chat_template == CHAT_TEMPLATE and len(tokenizer) == TINY_CONFIG["vocab_size"]
+
+
+def test_shipped_logits_match_hf_on_real_text(shipped, shipped_model, unseen_ids):
+    config = shipped_model.config
+    # The indexer really selects: more ratio-4 entries are visible than it keeps.
+    assert len(unseen_ids) // config.csa_rate > 4 * config.index_topk and len(unseen_ids) // config.hca_rate >= 4
+    logits = shipped_model(unseen_ids, shipped_model.new_state())
+    assert_close_to_scale(logits, hf_logits(load_hf(shipped), unseen_ids), LOGIT_TOLERANCE)
+
+
+def perplexity(model, ids: torch.Tensor) -> float:
+    logits = model(ids[:-1], model.new_state())
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[1:]).item())
+
+
+def test_shipped_model_has_learned_text_it_never_saw(shipped_model, unseen_ids):
+    learned = perplexity(shipped_model, unseen_ids)
+    untrained = perplexity(random_model(TINY_CONFIG, seed=0), unseen_ids)
+    # Four times better than a uniform guess over the 1,024 ids; the random checkpoint is ~1e8.
+    assert learned < 256 and learned * 1000 < untrained, (learned, untrained)
+
+
+def test_shipped_swiglu_limit_clamps_on_real_text(shipped_model, unseen_ids):
+    clamped = shipped_model(unseen_ids, shipped_model.new_state())
+    for block in shipped_model.layers:
+        block.ffn.experts.limit = block.ffn.shared_experts.limit = math.inf
+    try:
+        unclamped = shipped_model(unseen_ids, shipped_model.new_state())
+    finally:
+        for block in shipped_model.layers:
+            block.ffn.experts.limit = block.ffn.shared_experts.limit = shipped_model.config.swiglu_limit
+    assert (clamped - unclamped).abs().max() > 0.1
+
+
+@pytest.fixture(scope="module")
+def server(shipped, log_dir):
+    arguments = ("--dtype", "float32", "--enable-cache-report")
+    with running_server(shipped, *arguments, log_path=log_dir / "shipped-server.log", env=ONE_TORCH_THREAD) as url:
+        yield url
+
+
+def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache(server, shipped):
+    task = "Fix the failing test in tests/test_cache.py."
+    reports = run_agent(server, task)
+    assert len(reports) == len(SCRIPTED_TOOLS)
+    tokenizer = AutoTokenizer.from_pretrained(shipped)
+    first_prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    expected = tokenizer.apply_chat_template(
+        first_prompt, tools=list(SESSION_TOOLS), add_generation_prompt=True, return_dict=False
+    )
+    assert reports[0].prompt_tokens == len(expected)  # the bash tool's definition is in the prompt
+    for previous, report in zip(reports, reports[1:], strict=False):
+        # Each turn resumes at least where the last prompt ended; the tool result is new.
+        assert previous.prompt_tokens <= report.cached_tokens < report.prompt_tokens
+    # Each turn says something, in whole characters (no stray bytes decoded as U+FFFD).
+    assert all(report.reply and "\ufffd" not in report.reply for report in reports)

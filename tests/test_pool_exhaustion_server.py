@@ -1,0 +1,172 @@
+"""Pool exhaustion never takes the server down: randomized load at tiny pool sizes through the real server.
+
+Each server is small in one way: one request row (its window slots and checkpoint records run
+short under long chunked prefills), eight rows in aligned mode (many snapshots per chunk), or
+few token slots (SGLang queues and retracts). Rounds of concurrent requests — long prompts,
+forks of earlier ones, ``n > 1``, clients that disconnect mid-stream — run under modes switched
+at random between rounds through ``/set_internal_state``. Every request gets HTTP 200, every
+greedy output equals a cold run's (the same prompt alone on a flushed cache), the server stays
+up, and every pool is whole after a flush. The two commands of issue 17 (whose admission raised
+``PoolExhausted`` and stopped the scheduler) run first on their server, scaled down so that
+the checkpoint records of the old layout run out the same way: two prefill chunks' snapshots
+in flight at once (SGLang's overlap scheduler plans the next chunk's before it takes this one's).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+from dataclasses import dataclass
+
+import pytest
+import requests
+from serving_checks import assert_healthy, assert_pools_idle, generate
+from test_prefix_cache_server import flush, prefix_cache_state, set_modes
+
+from sglang_dsv4.launch import running_server
+from sglang_dsv4.prefix_cache import PREFIX_HITS, WINDOW_POLICIES
+
+VOCAB = 1024
+ROUNDS, REQUESTS_PER_ROUND = 2, 5
+
+
+@dataclass(frozen=True)
+class Scarce:
+    """One server configuration: what it is short of, and the server arguments that make it so."""
+
+    name: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    longest_prompt: int
+
+
+SERVERS = {
+    # One request row: 770 window slots and 12 records for prefill chunks of 2,048 tokens.
+    "one_row": Scarce(
+        "one_row",
+        ("--max-running-requests", "1", "--chunked-prefill-size", "2048", "--max-total-tokens", "12000",
+         "--context-length", "12000"),
+        {},
+        2500,
+    ),
+    # Eight rows, chunks of 4,096 tokens: aligned mode plans 16 snapshots a chunk.
+    "eight_rows": Scarce(
+        "eight_rows",
+        ("--max-running-requests", "8", "--chunked-prefill-size", "4096", "--max-total-tokens", "12000",
+         "--context-length", "12000"),
+        {},
+        2500,
+    ),
+    # Token slots for about two of the round's prompts at once: SGLang queues and retracts.
+    "few_tokens": Scarce(
+        "few_tokens",
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600"),
+        {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
+        1200,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(SERVERS))
+def scarce_server(request, tiny_path, log_dir):
+    scarce = SERVERS[request.param]
+    args = ("--dtype", "float32", "--skip-tokenizer-init", *scarce.args)
+    with running_server(tiny_path, *args, log_path=log_dir / f"exhaustion-{scarce.name}.log", env=scarce.env) as url:
+        yield url, scarce
+
+
+@dataclass(frozen=True)
+class Job:
+    ids: list[int]
+    new_tokens: int
+    samples: int = 1
+    disconnect: bool = False  # a streaming client that leaves after its first event
+
+
+def run(url: str, job: Job) -> list[list[int]] | None:
+    """The job's greedy outputs (one per sample); None for a client that disconnected."""
+    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": True, "n": job.samples}
+    if job.disconnect:
+        payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
+        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+            assert reply.status_code == 200, reply.text
+            next(reply.iter_lines())  # leaving the block closes the connection mid-stream
+        return None
+    reply = generate(url, job.ids, timeout=600, sampling_params=params)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return [item["output_ids"] for item in (body if isinstance(body, list) else [body])]
+
+
+def concurrently(url: str, jobs: list[Job]) -> list[list[list[int]] | None]:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as executor:
+        return list(executor.map(lambda job: run(url, job), jobs))
+
+
+def assert_equal_to_cold_runs(url: str, jobs: list[Job], outputs: list[list[list[int]] | None]) -> None:
+    """Each finished job's outputs equal its prompt's greedy output alone on a flushed cache."""
+    for job, samples in zip(jobs, outputs, strict=True):
+        if samples is None:
+            continue
+        flush(url)
+        (cold,) = run(url, Job(job.ids, job.new_tokens))
+        assert samples == [cold] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
+
+
+def random_round(rng: random.Random, earlier: list[list[int]], longest: int) -> list[Job]:
+    """Long prompts and forks of earlier ones (a shared prefix, a new suffix), some with n=2,
+    some left by their client."""
+    jobs = []
+    for _ in range(REQUESTS_PER_ROUND):
+        suffix = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, longest))]
+        if earlier and rng.random() < 0.4:
+            base = rng.choice(earlier)
+            ids = (base[: rng.randrange(1, len(base) + 1)] + suffix)[:longest]
+        else:
+            ids = suffix
+        disconnect = rng.random() < 0.15
+        samples = 1 if disconnect else rng.choice([1, 1, 2])
+        jobs.append(Job(ids, rng.randrange(2, 12), samples, disconnect))
+    return jobs
+
+
+def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
+    url, scarce = scarce_server
+    if scarce.name == "one_row":
+        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 2,048-token chunks.
+        jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(4200)], 4) for seed in range(2)]
+    elif scarce.name == "eight_rows":
+        # Its second: aligned / all_committed, eight rows, concurrent long prompts in 4,096-token chunks.
+        set_modes(url, prefix_hits="aligned", window_policy="all_committed")
+        jobs = [Job([random.Random(10 + seed).randrange(VOCAB) for _ in range(4500)], 4) for seed in range(2)]
+    else:
+        pytest.skip("the issue's commands run on the one_row and eight_rows servers")
+    try:
+        outputs = concurrently(url, jobs)
+        assert_healthy(url)
+        assert sum(prefix_cache_state(url)["checkpoints_skipped"].values()) > 0  # the pools did run short
+        assert_equal_to_cold_runs(url, jobs, outputs)
+    finally:
+        set_modes(url, prefix_hits="exact", window_policy="per_request")
+    assert_pools_idle(url)
+
+
+def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_every_row(scarce_server):
+    url, scarce = scarce_server
+    rng = random.Random(scarce.name)
+    flush(url)
+    jobs, outputs = [], []
+    try:
+        for _ in range(ROUNDS):
+            set_modes(url, prefix_hits=rng.choice(PREFIX_HITS), window_policy=rng.choice(WINDOW_POLICIES))
+            round_jobs = random_round(rng, [job.ids for job in jobs], scarce.longest_prompt)
+            outputs += concurrently(url, round_jobs)
+            jobs += round_jobs
+            assert_healthy(url)
+            assert set(prefix_cache_state(url)["rows_miscounted"].values()) == {0}
+    finally:
+        set_modes(url, prefix_hits="exact", window_policy="per_request")
+    state = prefix_cache_state(url)
+    print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
+    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_pools_idle(url)

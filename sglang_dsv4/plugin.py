@@ -18,6 +18,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .config import check_tensor_parallel
+from .prefix_cache.admission import ADMISSION_HOOKS
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import SERVING_HOOKS, register_serving_hooks
 from .settings import settings
@@ -48,6 +49,7 @@ REQUIRED_HOOKS = (
     *SERVING_HOOKS,
     _RADIX_CACHE_FACTORY,
     _STATE_UPDATES,
+    *ADMISSION_HOOKS,
 )
 
 
@@ -129,11 +131,13 @@ def _register_prefix_cache() -> None:
     """The dsv4 radix cache: the default for V4 checkpoints, and ``--radix-cache-backend dsv4``."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
 
+    from .prefix_cache.admission import register_admission_hooks
     from .prefix_cache.registration import build_v4_radix_cache
 
     register_radix_cache_backend("dsv4", build_v4_radix_cache)
     HookRegistry.register(_RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
     HookRegistry.register(_STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
+    register_admission_hooks()
 
 
 def _default_to_v4_radix_cache(original, ctx):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from test_pool import make_scarce
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -60,9 +61,11 @@ class Request:
 class Scheduler:
     """Admission, decode steps, finish and abort, in SGLang's order of tree calls."""
 
-    def __init__(self, config, rng: random.Random):
+    def __init__(self, config, rng: random.Random, scarce: tuple[str, int] | None = None):
         self.rng = rng
         self.pool = V4KVPool(TOKENS, 1, config, torch.float32, max_requests=ROWS, max_context=CONTEXT, device="cpu")
+        if scarce is not None:
+            make_scarce(self.pool, *scarce)
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", enable_memory_saver=False)
         self.rows.attach_aux_cache(self.pool.tables)
         self.slots = TokenToKVPoolAllocator(TOKENS, torch.float32, "cpu", self.pool, need_sort=False)
@@ -88,6 +91,9 @@ class Scheduler:
         # The prompt and the token its prefill samples (which gets its KV in the next step).
         fill = array("q", tokens + [0])
         req = Request(self.count, fill, array("q", tokens), match.device_prefix_len, match.last_device_node)
+        # SGLang's admission with the plugin's check: token slots, then the request's window slots.
+        if not self.tree.room_for_windows(self.tree.window_slots_for_prefill(len(tokens) - req.prefix_len), req.last_node):
+            return
         req.lock = self.tree.lock(req.last_node)
         if not self._make_room(len(tokens) - req.prefix_len):
             self.tree.unlock(req.lock)
@@ -109,6 +115,9 @@ class Scheduler:
             return
         req = self.rng.choice(self.running)
         if req.kv.kv_allocated_len >= CONTEXT - 1 or not self._make_room(1):
+            return
+        if not self.tree.room_for_windows(1):  # SGLang would retract a request: finish one unchecked
+            self.finish(checkpoint=False)
             return
         row, length = req.kv.req_pool_idx, req.kv.kv_allocated_len
         self.rows.req_to_token[row, length] = int(self.slots.alloc(1)[0])
@@ -167,10 +176,14 @@ def check(scheduler: Scheduler) -> None:
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query)))).device_prefix_len == expected
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed):
+# Scarce kinds: three checkpoint records; window slots for about three running requests.
+SCARCE = {"records": ("records", 3), "window_slots": ("window_slots", 3 * 129 + 200)}
+
+
+@pytest.mark.parametrize(("seed", "scarce"), [(0, None), (1, "records"), (2, "window_slots")])
+def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed, scarce):
     rng = random.Random(seed)
-    scheduler = Scheduler(tiny_model.config, rng)
+    scheduler = Scheduler(tiny_model.config, rng, SCARCE.get(scarce))
     operations = [
         (scheduler.admit, 6),
         (scheduler.decode, 30),
@@ -190,3 +203,6 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
     scheduler.tree.reset()
     usage = scheduler.pool.usage()
     assert all(kind["free"] == kind["total"] for kind in usage.values()), usage
+    skipped = scheduler.pool.checkpoints_skipped
+    if scarce is not None:  # the scarce kind ran out and was skipped, never raised
+        assert skipped[scarce] > 0, skipped

@@ -10,8 +10,22 @@ Three lifetimes (DESIGN.md, "Memory lifecycle"):
   (the one extra covers SGLang's one-step scheduling lag), whatever its length;
 * per request (compressor state): the online partial-block pools, float32, twice (the
   state after the last forward and the one before it, for the same lag);
-* checkpoints (``CHECKPOINTS_PER_REQUEST_ROW`` per request row): a window of slots and
-  one state record each, what the prefix cache resumes requests from.
+* checkpoints: a window of slots and one state record each, what the prefix cache resumes
+  requests from. The window slots hold ``CHECKPOINT_WINDOWS_PER_REQUEST_ROW`` checkpoint
+  windows per request row besides the running windows; the state records are sized from
+  them (:attr:`PoolLayout.checkpoint_records_per_request_row`): a record is small next to a
+  window (V4-Flash: 0.58 MiB against 5.4 MiB), so there are enough that the window slots, not
+  the records, bound how many checkpoints exist. The pairs a prompt's end leaves (its end and
+  one token before) share all but one window slot, so the window slots of one request row back
+  at most two checkpoints per ``sliding_window`` slots they hold: 6 records per request row.
+  Every checkpoint is optional (a request without one finishes all the same, and a later turn
+  resumes from the nearest one it has), so when records or window slots still run short the
+  least recently used checkpoint goes, and then the new one is skipped
+  (:class:`~.pool.V4KVPool`).
+
+Compressed entries: one row per block of the token pool, and one per request row (a request
+resumed inside a block writes that block's entry anew while the tree keeps the block's first
+tokens), so a forward whose token slots SGLang found always finds its entry rows.
 
 The pool (:mod:`.pool`) allocates exactly these buffers, and the KV ledger reads its
 figures from here, so the number a user reads is the number the server uses.
@@ -30,9 +44,13 @@ STATE_DTYPE = torch.float32
 # block's two halves and the previous block's first half; a ratio-128 one its current block.
 OVERLAPPING_POOLS, DISJOINT_POOLS = 3, 1
 POOL_FIELDS = 3  # running max, denominator, weighted sum
-# Checkpoints the pool holds room for, per request row: enough for every running request's
-# prompt-end and request-end checkpoints and the tree's sessions between them.
-CHECKPOINTS_PER_REQUEST_ROW = 2
+# Checkpoint windows the window slots hold room for, per request row, besides the running
+# windows: every running request's prompt-end and request-end checkpoints and the tree's
+# sessions between them.
+CHECKPOINT_WINDOWS_PER_REQUEST_ROW = 2
+# Checkpoints whose windows overlap all but one slot (a prompt's end and one token before):
+# how many records a request row's window slots back, per sliding_window of them.
+CHECKPOINTS_PER_WINDOW = 2
 # State records per request row: after the last forward, and before it.
 RECORDS_PER_REQUEST_ROW = 2
 
@@ -106,7 +124,16 @@ class PoolLayout:
     def window_slots_per_request(self) -> int:
         """A running request's window plus one, and its share of checkpoint windows."""
         window = self.config.sliding_window
-        return window + 1 + CHECKPOINTS_PER_REQUEST_ROW * window
+        return window + 1 + CHECKPOINT_WINDOWS_PER_REQUEST_ROW * window
+
+    @property
+    def checkpoint_records_per_request_row(self) -> int:
+        """State records per request row: as many checkpoints as its window slots can back."""
+        return CHECKPOINTS_PER_WINDOW * (self.window_slots_per_request // self.config.sliding_window)
+
+    def entry_rows(self, ratio: int, tokens: int, request_rows: int) -> int:
+        """Compressed-entry rows of one ratio: a block of the token pool each, one more per request row."""
+        return tokens // ratio + request_rows
 
     @property
     def record_bytes(self) -> int:
@@ -134,9 +161,17 @@ class PoolLayout:
         return self.config.sliding_window * self.window_slot_bytes + self.record_bytes
 
     @property
+    def checkpoint_bytes_per_request(self) -> int:
+        """A request row's share of checkpoints: their windows' slots and their state records."""
+        windows = CHECKPOINT_WINDOWS_PER_REQUEST_ROW * self.config.sliding_window * self.window_slot_bytes
+        return windows + self.checkpoint_records_per_request_row * self.record_bytes
+
+    @property
     def bytes_per_request(self) -> int:
-        """Fixed bytes per request row: a running request's, and its share of checkpoints."""
-        return self.running_bytes_per_request + CHECKPOINTS_PER_REQUEST_ROW * self.checkpoint_bytes
+        """Fixed bytes per request row: a running request's, its share of checkpoints, and its
+        entry row per compressed buffer."""
+        entries = sum(b.dim * self.kv_bytes for b in self.compressed_buffers())
+        return self.running_bytes_per_request + self.checkpoint_bytes_per_request + entries
 
     @property
     def padding_bytes(self) -> int:

@@ -34,7 +34,7 @@ import torch
 
 from ..config import ConfigError, DeepseekV4Config, check_tensor_parallel, load_config, named_config, parse_config
 from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
-from .layout import CHECKPOINTS_PER_REQUEST_ROW, PoolLayout
+from .layout import CHECKPOINT_WINDOWS_PER_REQUEST_ROW, PoolLayout
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_CONTEXTS = (131072, 1048576)
@@ -170,7 +170,9 @@ class KVLedger:
         ours_note = (
             f"ours: KV entries and indexer keys in {dtype_name}, window slots per token (a running request"
             " holds window + 1), compressor state as float32 online pools; the server also allocates"
-            f" {CHECKPOINTS_PER_REQUEST_ROW} checkpoints per request row for the prefix cache"
+            f" {CHECKPOINT_WINDOWS_PER_REQUEST_ROW} checkpoint windows and {ours.checkpoint_records_per_request_row}"
+            f" checkpoint state records per request row for the prefix cache"
+            f" ({_mib(ours.checkpoint_bytes_per_request)})"
         )
         lines = [heading, *_aligned(rows), reference_note, ours_note]
         return "\n".join(lines)

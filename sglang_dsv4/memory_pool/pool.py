@@ -6,10 +6,22 @@ loads a request's layer state at position P from its buffers (:meth:`V4KVPool.lo
 and stores what a forward advanced it to (:meth:`V4KVPool.store`). Checkpoints
 (:meth:`V4KVPool.checkpoint`, :meth:`V4KVPool.resume`) share the rows they point at with
 the request, so making one copies only the small state record.
+
+Running short never raises into the scheduler. A checkpoint is optional: when its state
+record or window slots cannot be had, even after the prefix cache gives back its least
+recently used checkpoint, it is skipped and counted (:attr:`V4KVPool.checkpoints_skipped`,
+logged at most once per ``SKIP_LOG_INTERVAL_S``). A forward's own window slots and entry
+rows are not: for them the pool also takes back what running requests hold beyond what
+their forwards read and drops snapshots not taken yet; SGLang's admission and decode
+checks consult :meth:`V4KVPool.room_for_windows` first, so a request whose window would
+not fit waits in the queue or is retracted instead (:mod:`sglang_dsv4.prefix_cache.admission`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -19,9 +31,15 @@ from ..config import DeepseekV4Config
 from ..model.compressor import CompressorState, SoftmaxPool
 from ..model.state import LayerState
 from .checkpoint import Checkpoint
-from .layout import CHECKPOINTS_PER_REQUEST_ROW, STATE_DTYPE, PoolLayout
+from .layout import STATE_DTYPE, PoolLayout
 from .request_tables import RequestTables
 from .shared_rows import SharedRows
+
+logger = logging.getLogger(__name__)
+
+SKIP_LOG_INTERVAL_S = 60.0
+# Why a checkpoint was skipped: the state records, or the window slots, ran short.
+NO_RECORD, NO_WINDOW_SLOTS = "records", "window_slots"
 
 
 class V4KVPool(KVCache):
@@ -41,8 +59,11 @@ class V4KVPool(KVCache):
         request_rows = max_requests + 1
         compressed = layout.compressed_buffers()
         self.window_slots = SharedRows(request_rows * layout.window_slots_per_request, "window slots")
-        self.entry_rows = {r: SharedRows(size // r, f"ratio-{r} entry rows") for r in {b.ratio for b in compressed}}
-        self.records = SharedRows(CHECKPOINTS_PER_REQUEST_ROW * request_rows, "checkpoint records")
+        self.entry_rows = {
+            r: SharedRows(layout.entry_rows(r, size, request_rows), f"ratio-{r} entry rows")
+            for r in {b.ratio for b in compressed}
+        }
+        self.records = SharedRows(layout.checkpoint_records_per_request_row * request_rows, "checkpoint records")
         self.tables = RequestTables(
             [b.ratio for b in compressed],
             request_rows,
@@ -52,7 +73,6 @@ class V4KVPool(KVCache):
             self.entry_rows,
             size,
         )
-        self.tables.snapshot_positions = self.snapshot_positions
         self.tables.on_reserve = self._plan_snapshots
         self.tables.on_free = self._drop_snapshots
         slots = self.window_slots.capacity + 1
@@ -77,6 +97,9 @@ class V4KVPool(KVCache):
         # persistent entries live as long as the tree keeps those token slots.
         self.entry_of_slot = {r: torch.zeros(size + 1, dtype=torch.int64) for r in self.entry_rows}
         self.pending: dict[int, list[Checkpoint]] = {}
+        self.checkpoints_skipped: Counter[str] = Counter({NO_RECORD: 0, NO_WINDOW_SLOTS: 0})
+        self._skips_logged: Counter[str] = Counter()
+        self._skip_logged_at = -SKIP_LOG_INTERVAL_S
         self.mem_usage = self.allocated_bytes / 2**30
 
     def _records(self, rows: int, buffer) -> torch.Tensor:
@@ -94,13 +117,21 @@ class V4KVPool(KVCache):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def set_reclaim(self, evict_checkpoint: Callable[[], bool], evict_tokens: Callable[[], bool]) -> None:
-        """What frees rows when some run short: the prefix cache evicting a checkpoint (window
-        slots, records; then running requests trim to the ``per_request`` window) or cached
-        tokens (entry rows)."""
+        """What frees rows when some run short: the prefix cache evicting its least recently used
+        checkpoint (window slots, records) or cached tokens (entry rows); for a forward's own
+        window slots then running requests trimming to the ``per_request`` window, and snapshots
+        not taken yet being dropped."""
         self.records.reclaim = evict_checkpoint
-        self.window_slots.reclaim = lambda: evict_checkpoint() or self.tables.trim_all()
+        self.window_slots.reclaim = evict_checkpoint
+        self.window_slots.last_resort = lambda: self.tables.trim_all() or self._drop_newest_snapshot()
         for rows in self.entry_rows.values():
             rows.reclaim = evict_tokens
+
+    def room_for_windows(self, count: int) -> bool:
+        """Whether ``count`` window slots are free once the cache and all_committed rows give
+        back what they can (SGLang's admission and decode checks ask before a forward's rows
+        are reserved; snapshots of forwards in flight are kept)."""
+        return self.window_slots.make_room(count, self.window_slots.reclaim, self.tables.trim_all)
 
     # --- a forward: load, store, snapshots ---------------------------------------------------
 
@@ -148,15 +179,59 @@ class V4KVPool(KVCache):
         self.pending[request] = [c for c in pending if c.position > up_to]
         return taken
 
-    def _plan_snapshots(self, request: int, positions: list[int]) -> None:
-        for position in positions:
-            checkpoint = self._new_checkpoint(request, position, self.config.sliding_window)
-            if checkpoint is not None:
-                self.pending.setdefault(request, []).append(checkpoint)
+    def _plan_snapshots(self, request: int, start: int, end: int) -> None:
+        """The checkpoints a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""
+        window = self.config.sliding_window
+        for position in self.snapshot_positions(start, end):
+            if not self.records.make_room(1, self.records.reclaim):
+                self._skip(NO_RECORD)
+            elif not self.tables.hold_window(request, position - window, position):
+                self._skip(NO_WINDOW_SLOTS)
+            else:
+                checkpoint = self._new_checkpoint(request, position, window)
+                if checkpoint is not None:
+                    self.pending.setdefault(request, []).append(checkpoint)
 
     def _drop_snapshots(self, request: int) -> None:
         for checkpoint in self.pending.pop(request, []):
             self.release(checkpoint)
+
+    def _drop_newest_snapshot(self) -> bool:
+        """A forward's own window slots ran short: drop the most recently planned snapshot not
+        taken yet, with the slots its row held only for it (a forward not run yet skips them)."""
+        planned = [(c.last_used, row, c) for row, pending in self.pending.items() for c in pending]
+        if not planned:
+            return False
+        _, row, dropped = max(planned, key=lambda entry: entry[0])
+        self.pending[row].remove(dropped)
+        self.release(dropped)
+        tables, window = self.tables, self.config.sliding_window
+        # The row's own forward reads from position - window - 1 on; the other snapshots their windows.
+        start = tables.position[row] - tables.last_step[row]
+        needed = torch.zeros(tables.position[row] + 1, dtype=torch.bool)
+        needed[max(0, tables.position[row] - window - 1) :] = True
+        for checkpoint in self.pending[row]:
+            needed[max(0, checkpoint.position - window) : checkpoint.position] = True
+        positions = torch.arange(max(start, dropped.position - window), dropped.position)
+        tables.release_window(row, positions[~needed[positions]])
+        self._skip(NO_WINDOW_SLOTS)
+        return True
+
+    def _skip(self, reason: str) -> None:
+        """Count a skipped checkpoint; log the counts at most once per ``SKIP_LOG_INTERVAL_S``."""
+        self.checkpoints_skipped[reason] += 1
+        now = time.monotonic()
+        if now - self._skip_logged_at >= SKIP_LOG_INTERVAL_S:
+            since = self.checkpoints_skipped - self._skips_logged
+            logger.warning(
+                "sglang-dsv4: skipped %s optional checkpoint(s) since the last report (by reason: %s): "
+                "the pool's checkpoint records or window slots ran short; requests are unaffected, later "
+                "turns resume from an earlier checkpoint",
+                since.total(),
+                dict(since),
+            )
+            self._skips_logged = self.checkpoints_skipped.copy()
+            self._skip_logged_at = now
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -183,14 +258,17 @@ class V4KVPool(KVCache):
         return checkpoint
 
     def _new_checkpoint(self, request: int, position: int, window: int) -> Checkpoint | None:
-        """A checkpoint sharing the row's window slots before ``position``; its record is
-        allocated, not yet written."""
+        """A checkpoint sharing the row's window slots before ``position``, its record allocated,
+        not yet written; none when the row no longer holds the window or no record can be had."""
         slots = self.tables.window_suffix(request, position, max(window, self.config.sliding_window))
         if len(slots) < min(position, self.config.sliding_window):
             return None
+        record = self.records.try_alloc(1)
+        if record is None:
+            self._skip(NO_RECORD)
+            return None
         self.window_slots.share(slots)
-        record = int(self.records.alloc(1)[0])
-        return Checkpoint(position, slots, record)
+        return Checkpoint(position, slots, int(record[0]))
 
     def commit_entries(self, request: int, slots: torch.Tensor, first: int, last: int) -> None:
         """The tree now holds token slots ``slots[first:last]`` of ``request``: each block ending

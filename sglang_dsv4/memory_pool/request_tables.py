@@ -17,7 +17,8 @@ Window policy: ``per_request`` keeps only the slots a forward or a checkpoint ca
 read (the last window plus one token, SGLang's one-step scheduling lag, and the window
 behind each snapshot position); ``all_committed`` keeps every slot the request wrote
 until it is freed, so its final checkpoint commits them all (upstream's behaviour), as far
-as the window slots allow: a forward they cannot hold keeps what ``per_request`` keeps.
+as the window slots allow: a forward they cannot hold keeps what ``per_request`` keeps, and
+under pressure every row falls back to it (:meth:`RequestTables.trim_all`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .shared_rows import PoolExhausted, SharedRows
+from .shared_rows import SharedRows
 
 
 class UnboundRequestRow(RuntimeError):
@@ -58,10 +59,8 @@ class RequestTables:
         self.held_from = [0] * request_rows  # window slots below this position are released
         self.bound = [False] * request_rows
         self.window_policy = "per_request"
-        # Snapshot positions of a forward of tokens start .. end - 1 (set by the pool).
-        self.snapshot_positions: Callable[[int, int], list[int]] = lambda start, end: []
-        # Called when a row's forward is reserved, with the snapshot positions it covers.
-        self.on_reserve: Callable[[int, list[int]], None] = lambda row, positions: None
+        # Called when a row's forward of tokens start .. end - 1 is reserved (the pool plans its snapshots).
+        self.on_reserve: Callable[[int, int, int], None] = lambda row, start, end: None
         self.on_free: Callable[[int], None] = lambda row: None
 
     @property
@@ -90,7 +89,13 @@ class RequestTables:
             self.entry_count[ratio][row] = len(rows)
 
     def reserve(self, row: int, target: int) -> None:
-        """Rows for a forward from the row's position up to ``target`` tokens."""
+        """Rows for a forward from the row's position up to ``target`` tokens.
+
+        First what the forward cannot run without (the window slots of its last ``window + 1``
+        tokens and the entry rows of its blocks; :meth:`SharedRows.alloc`), then what is
+        optional: under ``all_committed`` the slots of its other tokens, and the snapshots
+        the pool plans (``on_reserve``), which take only what is left.
+        """
         if not self.bound[row]:
             raise UnboundRequestRow(
                 f"request row {row} runs a forward without a bound request: DeepSeek-V4 needs the dsv4 radix "
@@ -101,27 +106,36 @@ class RequestTables:
             return
         if self.window_policy == "per_request":
             self.trim(row, start - self.window - 1)
-        snapshots = self.snapshot_positions(start, target)
-        self._reserve_window(row, start, target, snapshots)
+        # What the next forward and a checkpoint one decode step late read.
+        own = torch.arange(max(start, target - self.window - 1), target)
+        self.window_table[row, own] = self.window_slots.alloc(len(own))
         for ratio in self.ratios:
             have, need = self.entry_count[ratio][row], target // ratio
             if need > have:
                 self.entry_table[ratio][row, have:need] = self.entry_rows[ratio].alloc(need - have)
                 self.entry_count[ratio][row] = need
         self.position[row], self.last_step[row] = target, target - start
-        self.on_reserve(row, snapshots)
-
-    def _reserve_window(self, row: int, start: int, target: int, snapshots: list[int]) -> None:
         if self.window_policy == "all_committed":
-            try:
-                self.window_table[row, start:target] = self.window_slots.alloc(target - start)
-                return
-            except PoolExhausted:  # the pool is sized for per_request: keep what that keeps
-                pass
-        # What the next forward, a lagging checkpoint and the snapshots read.
-        spans = [(target - self.window - 1, target)] + [(p - self.window, p) for p in snapshots]
-        needed = torch.unique(torch.cat([torch.arange(max(start, a), b) for a, b in spans]))
-        self.window_table[row, needed] = self.window_slots.alloc(len(needed))
+            self.hold_window(row, start, target)  # as far as the slots allow: else what per_request keeps
+        self.on_reserve(row, start, target)
+
+    def hold_window(self, row: int, first: int, last: int) -> bool:
+        """Optional slots for the row's positions ``first .. last - 1`` it does not hold yet
+        (a snapshot's window, or all_committed's): all of them from what is free or cached, or none."""
+        positions = torch.arange(max(first, self.held_from[row], 0), last)
+        missing = positions[self.window_table[row, positions] == 0]
+        slots = self.window_slots.try_alloc(len(missing))
+        if slots is None:
+            return False
+        self.window_table[row, missing] = slots
+        return True
+
+    def release_window(self, row: int, positions: torch.Tensor) -> None:
+        """Let the row's slots at ``positions`` go (nothing reads them any more): a forward that
+        has not run skips them."""
+        positions = positions[positions >= self.held_from[row]]
+        self.window_slots.release(self.window_table[row, positions])
+        self.window_table[row, positions] = 0
 
     def trim(self, row: int, keep_from: int) -> None:
         """Release the row's window slots below position ``keep_from``."""
@@ -133,11 +147,12 @@ class RequestTables:
         self.held_from[row] = keep_from
 
     def trim_all(self) -> bool:
-        """Under window-slot pressure: every row keeps only what ``per_request`` keeps."""
+        """Under window-slot pressure: every row keeps only what ``per_request`` keeps for the
+        forward it was last reserved for (which may not have run yet)."""
         released = self.window_slots.free
         for row in range(self.request_rows):
             if self.bound[row]:
-                self.trim(row, self.position[row] - self.window - 1)
+                self.trim(row, self.position[row] - self.last_step[row] - self.window - 1)
         return self.window_slots.free > released
 
     # --- reading ----------------------------------------------------------------------------

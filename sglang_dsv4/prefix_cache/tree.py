@@ -21,10 +21,14 @@ breaks a running request; one on a locked node (a request between its match and 
 allocation) is never evicted. Under row pressure the pool asks for the least recently
 used checkpoint back (:meth:`V4RadixCache.evict_one_checkpoint`) before any persistent
 KV goes: SGLang evicts token slots (and the checkpoints of the leaves it drops) only
-when it needs tokens.
+when it needs tokens. A checkpoint that cannot be had even then is skipped (the pool
+counts it); a request whose own window slots cannot be had waits or is retracted
+(:mod:`.admission`).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
@@ -51,6 +55,8 @@ class V4RadixCache(RadixCache):
         self.pool = pool
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.checkpoint_interval = checkpoint_interval
+        # Requests held back because their window slots did not fit (see .admission).
+        self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
         super().__init__(params)
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
         pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens)
@@ -141,6 +147,24 @@ class V4RadixCache(RadixCache):
             self.pool.start(row)
         self.pool.tables.reserve(row, req.kv.kv_allocated_len)
 
+    def window_slots_for_prefill(self, tokens: int) -> int:
+        """Window slots a prefill of ``tokens`` tokens needs at least: its last ``sliding_window + 1``."""
+        return min(tokens, self.pool.config.sliding_window + 1)
+
+    def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
+        """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``
+        (the match of the request asking, not locked yet)."""
+        if keep is None or keep is self.root_node:
+            return self.pool.room_for_windows(count)
+        self.inc_lock_ref(keep)
+        try:
+            return self.pool.room_for_windows(count)
+        finally:
+            self.dec_lock_ref(keep)
+
+    def note_held_back(self, reason: str) -> None:
+        self.held_back[reason] += 1
+
     def evict_one_checkpoint(self) -> bool:
         """Release the least recently used checkpoint that no request is about to resume from."""
         candidates = [(c.last_used, id(n), n) for n, c in self.checkpoints.items() if not _anchored(n)]
@@ -193,6 +217,8 @@ class V4RadixCache(RadixCache):
         return {
             "checkpoints": len(self.checkpoints),
             "checkpoint_window_bytes": slots * self.pool.layout.window_slot_bytes,
+            "checkpoints_skipped": dict(self.pool.checkpoints_skipped),
+            "requests_held_back": dict(self.held_back),
         }
 
     def audit(self) -> dict[str, int]:

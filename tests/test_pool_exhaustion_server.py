@@ -1,0 +1,185 @@
+"""Pool exhaustion never takes the server down: randomized load at tiny pool sizes through the real server.
+
+Each server is small in one way: one request row (its window slots and checkpoint records run
+short under long chunked prefills), eight rows in aligned mode (many snapshots per chunk), or
+few token slots (SGLang queues and retracts). Rounds of concurrent requests — long prompts,
+forks of earlier ones, ``n > 1``, clients that disconnect mid-stream — run under modes switched
+at random between rounds through ``/set_internal_state``. Every request gets HTTP 200, every
+greedy output equals a cold run's (the same prompt alone on a flushed cache), the server stays
+up, and every pool is whole after a flush.
+
+The two commands of issue 17 (whose admission raised ``PoolExhausted`` and stopped the
+scheduler) run first, scaled down to CI time: the second on its own server arguments with two
+4,500-token prompts instead of four of 8,000; the first on one request row instead of four with
+two 4,200-token prompts instead of eight of 12,000. As given, the first crashed the old scheduler
+in its second prefill chunk (20 s in on a quiet host) and now serves all eight in about 14
+minutes on this shared 2-core host: measured by hand, too slow for CI. The scaled-down versions
+did not crash the old code; the old crash's mechanism (snapshots planned for more forwards
+than there are records) is pinned at pool level in ``test_pool.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+from dataclasses import dataclass
+
+import pytest
+import requests
+from serving_checks import assert_healthy, assert_pools_idle, generate
+from test_prefix_cache_server import flush, prefix_cache_state, set_modes
+
+from sglang_dsv4.launch import running_server
+from sglang_dsv4.prefix_cache import PREFIX_HITS, WINDOW_POLICIES
+
+VOCAB = 1024
+ROUNDS, REQUESTS_PER_ROUND = len(PREFIX_HITS), 4
+
+
+@dataclass(frozen=True)
+class Scarce:
+    """One server configuration: what it is short of, and the server arguments that make it so."""
+
+    name: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    longest_prompt: int
+    longest_output: int = 12
+
+
+SERVERS = {
+    # One request row: 770 window slots and 12 records for prefill chunks of 2,048 tokens.
+    "one_row": Scarce(
+        "one_row",
+        ("--max-running-requests", "1", "--chunked-prefill-size", "2048", "--max-total-tokens", "12000",
+         "--context-length", "12000"),
+        {},
+        2000,
+    ),
+    # Issue 17's second server: eight rows, chunks of 4,096 tokens (aligned mode plans 16 snapshots a chunk).
+    "eight_rows": Scarce(
+        "eight_rows",
+        ("--max-running-requests", "8", "--chunked-prefill-size", "4096", "--max-total-tokens", "48000",
+         "--context-length", "40000"),
+        {},
+        2000,
+    ),
+    # Token slots for about two of the round's requests at once: SGLang queues and retracts.
+    "few_tokens": Scarce(
+        "few_tokens",
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600"),
+        {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
+        900,
+        longest_output=120,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(SERVERS))
+def scarce_server(request, tiny_path, log_dir):
+    scarce = SERVERS[request.param]
+    args = ("--dtype", "float32", "--skip-tokenizer-init", *scarce.args)
+    with running_server(tiny_path, *args, log_path=log_dir / f"exhaustion-{scarce.name}.log", env=scarce.env) as url:
+        yield url, scarce
+
+
+@dataclass(frozen=True)
+class Job:
+    ids: list[int]
+    new_tokens: int
+    samples: int = 1
+    disconnect: bool = False  # a streaming client that leaves after its first event
+
+
+def run(url: str, job: Job) -> list[list[int]] | None:
+    """The job's greedy outputs (one per sample); None for a client that disconnected."""
+    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": True, "n": job.samples}
+    if job.disconnect:
+        payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
+        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+            assert reply.status_code == 200, reply.text
+            next(reply.iter_lines())  # leaving the block closes the connection mid-stream
+        return None
+    reply = generate(url, job.ids, timeout=600, sampling_params=params)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return [item["output_ids"] for item in (body if isinstance(body, list) else [body])]
+
+
+def concurrently(url: str, jobs: list[Job]) -> list[list[list[int]] | None]:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as executor:
+        return list(executor.map(lambda job: run(url, job), jobs))
+
+
+def assert_equal_to_cold_runs(url: str, jobs: list[Job], outputs: list[list[list[int]] | None]) -> None:
+    """Each finished job's outputs equal its prompt's greedy output alone on a flushed cache."""
+    for job, samples in zip(jobs, outputs, strict=True):
+        if samples is None:
+            continue
+        flush(url)
+        (cold,) = run(url, Job(job.ids, job.new_tokens))
+        assert samples == [cold] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
+
+
+def random_round(rng: random.Random, earlier: list[list[int]], scarce: Scarce) -> list[Job]:
+    """Long prompts and forks of earlier ones (a shared prefix, a new suffix), some with n=2,
+    some left by their client."""
+    jobs = []
+    for _ in range(REQUESTS_PER_ROUND):
+        suffix = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, scarce.longest_prompt))]
+        if earlier and rng.random() < 0.4:
+            base = rng.choice(earlier)
+            ids = (base[: rng.randrange(1, len(base) + 1)] + suffix)[: scarce.longest_prompt]
+        else:
+            ids = suffix
+        disconnect = rng.random() < 0.15
+        samples = 1 if disconnect else rng.choice([1, 1, 2])
+        jobs.append(Job(ids, rng.randrange(2, scarce.longest_output), samples, disconnect))
+    return jobs
+
+
+def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
+    url, scarce = scarce_server
+    if scarce.name == "one_row":
+        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 2,048-token chunks.
+        jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(4200)], 4) for seed in range(2)]
+    elif scarce.name == "eight_rows":
+        # Its second: aligned / all_committed, eight rows, concurrent long prompts in 4,096-token chunks (16
+        # snapshots each): more than the window slots hold, so some are skipped.
+        set_modes(url, prefix_hits="aligned", window_policy="all_committed")
+        jobs = [Job([random.Random(10 + seed).randrange(VOCAB) for _ in range(4500)], 4) for seed in range(2)]
+    else:
+        pytest.skip("the issue's commands run on the one_row and eight_rows servers")
+    try:
+        outputs = concurrently(url, jobs)
+        assert_healthy(url)
+        if scarce.name == "eight_rows":
+            assert prefix_cache_state(url)["checkpoints_skipped"]["window_slots"] > 0
+        assert_equal_to_cold_runs(url, jobs, outputs)
+    finally:
+        set_modes(url, prefix_hits="exact", window_policy="per_request")
+    assert_pools_idle(url)
+
+
+def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_every_row(scarce_server):
+    url, scarce = scarce_server
+    rng = random.Random(scarce.name)
+    flush(url)
+    jobs, outputs = [], []
+    # Both hit modes and both window policies, paired at random, one pair per round.
+    policies = rng.sample(WINDOW_POLICIES, len(WINDOW_POLICIES))
+    modes = rng.sample(list(zip(PREFIX_HITS, policies, strict=True)), ROUNDS)
+    try:
+        for prefix_hits, window_policy in modes:
+            set_modes(url, prefix_hits=prefix_hits, window_policy=window_policy)
+            round_jobs = random_round(rng, [job.ids for job in jobs], scarce)
+            outputs += concurrently(url, round_jobs)
+            jobs += round_jobs
+            assert_healthy(url)
+            assert set(prefix_cache_state(url)["rows_miscounted"].values()) == {0}
+    finally:
+        set_modes(url, prefix_hits="exact", window_policy="per_request")
+    state = prefix_cache_state(url)
+    print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
+    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_pools_idle(url)

@@ -63,9 +63,7 @@ class TwoBackends:
             for c in batched_pool.snapshots_between(s.request, s.start, s.start + s.length)
         ]
         plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
-        index = batched.build_index(
-            plan, batched_pool.tables, self.model.config.sliding_window, sorted(batched_pool.entry_rows), "cpu"
-        )
+        index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
         expected = self._run(ids, lambda layer, block, x: self.reference.attend(block.attn, layer, x, None))
         actual = self._run(
             ids, lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool))
@@ -129,6 +127,13 @@ def test_prefill_of_requests_of_different_lengths_in_one_forward(tiny_model):
     pair.assert_same_pools()
 
 
+def test_requests_too_short_to_complete_any_block(tiny_model):
+    pair = TwoBackends(tiny_model)
+    assert_same(pair.forward([1, 2], [3, 2]))
+    assert_same(pair.forward([1, 2], [1, 1]))
+    pair.assert_same_pools()
+
+
 def test_chunked_prefill_with_chunk_ends_inside_blocks_next_to_new_requests(tiny_model):
     pair = TwoBackends(tiny_model)
     assert_same(pair.forward([1, 2], [130, 67]))  # 130: inside a ratio-4 and a ratio-128 block
@@ -183,7 +188,7 @@ def test_indexer_selections_equal_the_reference(tiny_model):
     plan = batched.BatchPlan([1, 2], starts, lengths)
     for row, start, length in zip([1, 2], starts, lengths, strict=True):
         pool.tables.reserve(row, start + length)
-    index = batched.build_index(plan, pool.tables, tiny_model.config.sliding_window, [4, 128], "cpu")
+    index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
     x = torch.randn(sum(lengths), tiny_model.config.hidden_size)
     q_residual, *_ = attention.project(x, index.positions)
     # The keys the reference selects from: the pool's, advanced by the same tokens.
@@ -216,7 +221,7 @@ def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):
     for pool, heads in zip(pools, [slice(None), slice(1, 3)], strict=True):
         pool.start(1)
         pool.tables.reserve(1, 200)
-        index = batched.build_index(plan, pool.tables, tiny_model.config.sliding_window, [4, 128], "cpu")
+        index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
         outputs.append(batched.attend(attention, layer, x, index, pool, heads))
     assert outputs[1].shape[1] == 2
     torch.testing.assert_close(outputs[1], outputs[0][:, 1:3], rtol=1e-5, atol=1e-6)
@@ -255,3 +260,37 @@ def test_streamed_top_k_equals_top_k_of_all_scores(key_tile, monkeypatch):
     expected = top_k_reference(scores, lengths, k)
     for mine, theirs in zip(chosen, expected, strict=True):
         assert sorted(mine.tolist()) == sorted(theirs.tolist())
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any torch operation returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_a_2k_token_extend_at_64k_context_holds_no_tokens_by_context_tensor(tiny_model):
+    config = tiny_model.config
+    context, tokens = 64 * 1024, 2048
+    pool = V4KVPool(context + tokens, 1, config, torch.float32, 1, context + tokens, "cpu")
+    pool.start(1)
+    pool.tables.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
+    pool.tables.reserve(1, context + tokens)
+    plan = batched.BatchPlan([1], [context], [tokens])
+    x = torch.randn(tokens, config.hidden_size)
+    bound = tokens * (config.sliding_window + config.index_topk) * max(config.num_heads, config.head_dim)
+    for kind in ("csa", "hca"):
+        layer = config.compress_ratios.index(4 if kind == "csa" else 128)
+        with LargestTensor() as probe, torch.no_grad():
+            index = batched.build_index(plan, pool.tables, config, "cpu")
+            batched.attend(tiny_model.layers[layer].attn, layer, x, index, pool)
+        # A dense [tokens x context / 4] score matrix alone would be 33.5M elements, the bound 18.9M.
+        assert probe.largest <= bound, f"{kind}: a tensor of {probe.largest} elements, above {bound}"

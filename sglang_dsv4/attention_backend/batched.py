@@ -32,6 +32,8 @@ from typing import Protocol
 import torch
 
 from ..kernels.selection import KVSelection
+from ..config import DeepseekV4Config
+from ..kernels import sparse_torch
 from ..kernels.sparse_torch import sparse_attention, streamed_top_k
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
@@ -137,7 +139,7 @@ class EntryReads:
 
     table: torch.Tensor  # [requests, blocks]: each request's entry rows
     visible: torch.Tensor  # [tokens] int32: (position + 1) // ratio
-    per_token: torch.Tensor  # [tokens, blocks] int32: table row of each token (ratio-128 layers read all)
+    per_token: torch.Tensor | None  # [tokens, blocks] int32: table row of each token, for layers reading all
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class ForwardIndex:
     window: WindowIndex
     compressors: dict[int, CompressorTargets]
     entries: dict[int, EntryReads]
+    tile_owners: list[int]  # host values: per ROW_TILE tokens, the request owning them all, or -1
 
     @property
     def tokens(self) -> int:
@@ -156,7 +159,7 @@ class ForwardIndex:
 
 
 def build_index(
-    plan: BatchPlan, tables: RequestTableStorage, window: int, ratios: list[int], device: torch.device | str
+    plan: BatchPlan, tables: RequestTableStorage, config: DeepseekV4Config, device: torch.device | str
 ) -> ForwardIndex:
     """The forward's index tensors, on ``device``, from the plan and the request tables.
 
@@ -174,6 +177,8 @@ def build_index(
     offsets = torch.cumsum(lengths, 0) - lengths
     positions = starts[token_request] + torch.arange(len(token_request)) - offsets[token_request]
     batch = _Batch(rows, starts, lengths, offsets, token_request, positions, snapshots)
+    window, ratios = config.sliding_window, sorted(tables.entry_table)
+    tiles = token_request.split(sparse_torch.ROW_TILE)
     index = ForwardIndex(
         positions=positions,
         token_request=token_request,
@@ -181,7 +186,8 @@ def build_index(
         single_step_rows=torch.where(lengths == 1, rows, 0),
         window=_window_index(batch, tables.window_table, window),
         compressors={r: _compressor_targets(batch, tables.entry_table[r], r) for r in ratios},
-        entries={r: _entry_reads(batch, tables.entry_table[r], r) for r in ratios},
+        entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate) for r in ratios},
+        tile_owners=[int(tile[0]) if tile[0] == tile[-1] else -1 for tile in tiles],
     )
     return _to_device(index, torch.device(device))
 
@@ -269,10 +275,11 @@ def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int) ->
     )
 
 
-def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int) -> EntryReads:
-    table = entry_table[batch.rows, : max(batch.ends.tolist(), default=0) // ratio]
+def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all: bool) -> EntryReads:
+    # At least one column, so that the padding entries a selection points at exist.
+    table = entry_table[batch.rows, : max(1, max(batch.ends.tolist(), default=0) // ratio)]
     visible = ((batch.positions + 1) // ratio).to(torch.int32)
-    return EntryReads(table, visible, table[batch.token_request].to(torch.int32))
+    return EntryReads(table, visible, table[batch.token_request].to(torch.int32) if read_all else None)
 
 
 def _to_device(index: ForwardIndex, device: torch.device) -> ForwardIndex:
@@ -327,7 +334,7 @@ def select_entries(
     reads = index.entries[indexer.compressor.ratio]
     return streamed_top_k(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
-        scale=indexer.head_dim**-0.5,
+        scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners,
     )  # fmt: skip
 
 

@@ -31,9 +31,7 @@ class BatchedBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool = self.token_to_kv_pool
         plan = batch_plan(pool, forward_batch)
-        self.index = batched.build_index(
-            plan, pool.tables, pool.config.sliding_window, sorted(pool.entry_rows), pool.device
-        )
+        self.index = batched.build_index(plan, pool.tables, pool.config, pool.device)
 
     def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``."""

@@ -93,6 +93,7 @@ def streamed_top_k(
     k: int,
     *,
     scale: float,
+    tile_owners: list[int] | None = None,
 ) -> torch.Tensor:
     """The ``k`` best-scoring key slots of each query row, ``[rows, k]`` int64, best first, then ``-1``.
 
@@ -100,6 +101,8 @@ def streamed_top_k(
     :func:`.indexer.index_scores_reference` does (``sum_h w_h * ReLU(q_h . k) * scale``);
     queries of one request share one table row. Keys are scored ``KEY_TILE`` at a time and
     merged into a running top-k, so a row's scores are never all held at once.
+    ``tile_owners`` (host values, one per ``ROW_TILE`` rows) names the table row all rows of a
+    tile share, or -1: a shared tile gathers its keys once instead of once per row.
     """
     rows = q.shape[0]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -111,8 +114,13 @@ def streamed_top_k(
         best_slots = torch.empty(tile_q.shape[0], 0, dtype=torch.int64, device=q.device)
         for key_first in range(0, table.shape[1], KEY_TILE):
             slots = torch.arange(key_first, min(key_first + KEY_TILE, table.shape[1]), device=q.device)
-            tile_keys = keys[table[table_row[tile, None], slots[None, :]]].to(compute)  # [rows, tile, dim]
-            dots = torch.einsum("rhd,rkd->rhk", tile_q, tile_keys).relu() * scale
+            owner = -1 if tile_owners is None else tile_owners[first // ROW_TILE]
+            if owner >= 0:
+                shared_keys = keys[table[owner, slots]].to(compute)  # [tile, dim]
+                dots = torch.einsum("rhd,kd->rhk", tile_q, shared_keys).relu() * scale
+            else:
+                tile_keys = keys[table[table_row[tile, None], slots[None, :]]].to(compute)  # [rows, tile, dim]
+                dots = torch.einsum("rhd,rkd->rhk", tile_q, tile_keys).relu() * scale
             scores = torch.einsum("rhk,rh->rk", dots, tile_weights)
             scores = scores.masked_fill(slots[None, :] >= lengths[tile, None], float("-inf"))
             best = torch.cat([best, scores], dim=1)

@@ -38,7 +38,8 @@ class TwoBackends:
             pool.snapshot_interval = snapshot_interval
             pool.snapshot_before_extend_end = snapshot_before_extend_end
             self.pools.append(pool)
-        self.reference = TorchReferenceBackend(types.SimpleNamespace(token_to_kv_pool=self.pools[0], req_to_token_pool=None))
+        runner = types.SimpleNamespace(token_to_kv_pool=self.pools[0], req_to_token_pool=None)
+        self.reference = TorchReferenceBackend(runner)
         self.filled = 0  # checkpoints filled in forwards (and compared)
         self.sequences = {row: random_ids(CONTEXT, model.config.vocab_size, seed=100 + row) for row in range(ROWS)}
 
@@ -66,7 +67,8 @@ class TwoBackends:
         index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
         expected = self._run(ids, lambda layer, block, x: self.reference.attend(block.attn, layer, x, None))
         actual = self._run(
-            ids, lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool))
+            ids,
+            lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool)),
         )
         for row, span in zip(rows, spans, strict=True):  # the tree would take the filled checkpoints now
             taken = self.each_pool(lambda pool: pool.take_snapshots(row, span.start + span.length))
@@ -104,7 +106,9 @@ class TwoBackends:
             keys = range(len(expected)) if isinstance(expected, list) else expected.keys()
             rows = one_step if name == "previous_state" else slice(1, None)
             for key in keys:
-                torch.testing.assert_close(actual[key][rows], expected[key][rows], rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
+                torch.testing.assert_close(
+                    actual[key][rows], expected[key][rows], rtol=1e-5, atol=1e-5, msg=f"{name} {key}"
+                )
 
     def checkpoint(self, row: int, position: int, slots: torch.Tensor):
         """Both pools: the tree commits the row's first ``position`` token slots and checkpoints it there."""
@@ -239,9 +243,8 @@ def test_tiled_sparse_attention_equals_the_kernels_reference(tiles, monkeypatch)
     q, sink = torch.randn(rows, heads, dim), torch.randn(heads)
     angles = torch.rand(rows, 8) * 6
     args = (q, window, compressed, sink, angles.cos(), angles.sin())
-    torch.testing.assert_close(
-        sparse_attention(*args, scale=0.125), sparse_decode_attention_reference(*args, scale=0.125), rtol=1e-5, atol=1e-6
-    )
+    expected = sparse_decode_attention_reference(*args, scale=0.125)
+    torch.testing.assert_close(sparse_attention(*args, scale=0.125), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("key_tile", [1024, 7])

@@ -299,7 +299,12 @@ def _to_device(index: ForwardIndex, device: torch.device) -> ForwardIndex:
 
 
 def attend(
-    attention: Attention, layer: int, x: torch.Tensor, index: ForwardIndex, pool: PoolStorage, heads: slice = slice(None)
+    attention: Attention,
+    layer: int,
+    x: torch.Tensor,
+    index: ForwardIndex,
+    pool: PoolStorage,
+    heads: slice = slice(None),
 ) -> torch.Tensor:
     """Attention of the forward's tokens ``x [tokens, hidden]`` before the output projection:
     ``[tokens, local heads, head_dim]`` for query heads ``heads`` (all by default; a tensor-parallel

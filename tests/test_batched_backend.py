@@ -9,6 +9,8 @@ records, the records one step back and the checkpoint records.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import pytest
@@ -22,7 +24,6 @@ from sglang_dsv4.kernels.selection import KVSelection
 from sglang_dsv4.kernels.sparse_torch import sparse_attention, sparse_decode_attention_reference, streamed_top_k
 from sglang_dsv4.memory_pool.pool import V4KVPool
 from sglang_dsv4.model.network import run_blocks
-from sglang_dsv4.model.state import RequestState
 
 ROWS, CONTEXT, TOKENS = 9, 2048, 8192
 
@@ -297,3 +298,13 @@ def test_a_2k_token_extend_at_64k_context_holds_no_tokens_by_context_tensor(tiny
             batched.attend(tiny_model.layers[layer].attn, layer, x, index, pool)
         # A dense [tokens x context / 4] score matrix alone would be 33.5M elements, the bound 18.9M.
         assert probe.largest <= bound, f"{kind}: a tensor of {probe.largest} elements, above {bound}"
+
+
+def test_the_batched_core_imports_neither_sglang_nor_triton():
+    # The hot path must run where SGLang cannot be installed (the H200 host) and on CPU hosts without Triton.
+    code = (
+        "import sys, sglang_dsv4.attention_backend.batched; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'triton'}))"
+    )
+    reply = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert reply.stdout.strip() == "[]"

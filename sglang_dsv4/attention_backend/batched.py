@@ -31,9 +31,9 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.selection import KVSelection
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
+from ..kernels.selection import KVSelection
 from ..kernels.sparse_torch import sparse_attention, streamed_top_k
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool

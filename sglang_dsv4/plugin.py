@@ -97,10 +97,19 @@ def _register_attention_backend() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from .attention_backend.torch_reference import NAME, TorchReferenceBackend
+    for name, backend in _attention_backends().items():
+        register_attention_backend(name)(backend)
+    add_attention_backend_choices(list(_attention_backends()))
 
-    register_attention_backend(NAME)(TorchReferenceBackend)
-    add_attention_backend_choices([NAME])
+
+def _attention_backends() -> dict[str, type]:
+    """Ours, the default first: the batched backend, and the per-request torch reference (the oracle)."""
+    from .attention_backend import batched_backend, torch_reference
+
+    return {
+        batched_backend.NAME: batched_backend.BatchedBackend,
+        torch_reference.NAME: torch_reference.TorchReferenceBackend,
+    }
 
 
 def _register_server_arg_overrides() -> None:
@@ -112,7 +121,8 @@ def _register_server_arg_overrides() -> None:
 
 
 def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
-    """Our backend, token-granular pages, one token pool (the prefix cache is ours too:
+    """Our attention backend (the batched one unless ``--attention-backend`` names another of
+    ours), token-granular pages, one token pool (the prefix cache is ours too:
     :func:`_register_prefix_cache`).
 
     Called in the launcher before any scheduler starts: a config this plugin cannot serve, or a
@@ -120,11 +130,12 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .attention_backend.torch_reference import NAME
-
     require_hooks_applied()
     check_tensor_parallel(served_config(hf_config), resolving_view(server_args).tp_size)
-    return {"attention_backend": NAME, "page_size": 1, "disable_hybrid_swa_memory": True}
+    backends = list(_attention_backends())
+    requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
+    backend = requested if requested in backends else backends[0]
+    return {"attention_backend": backend, "page_size": 1, "disable_hybrid_swa_memory": True}
 
 
 def _register_prefix_cache() -> None:

@@ -20,6 +20,20 @@ def server(tiny_path, log_dir):
 
 
 @pytest.fixture(scope="module")
+def reference_server(tiny_path, log_dir):
+    # The per-request torch reference backend, chosen explicitly over the plugin's default.
+    args = ("--dtype", "float32", "--attention-backend", "dsv4_torch")
+    with running_server(tiny_path, *args, log_path=log_dir / "reference-server.log") as url:
+        yield url
+
+
+@pytest.fixture(params=["server", "reference_server"])
+def either_backend(request) -> str:
+    """The default (batched) server, then the torch reference backend's."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
 def chunked_server(tiny_path, log_dir):
     # 250-token chunks end inside ratio-4 and ratio-128 compression blocks.
     args = ("--dtype", "float32", "--chunked-prefill-size", "250")
@@ -56,9 +70,16 @@ def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def test_greedy_continuation_of_600_tokens_matches_hf(server, hf_tiny):
+def test_the_batched_backend_serves_by_default_and_an_explicit_choice_wins(server, reference_server):
+    def backend(url: str) -> str:
+        return requests.get(f"{url}/server_info", timeout=30).json()["attention_backend"]
+
+    assert (backend(server), backend(reference_server)) == ("dsv4_batched", "dsv4_torch")
+
+
+def test_greedy_continuation_of_600_tokens_matches_hf(either_backend, hf_tiny):
     prompt = random_ids(600, 1024, seed=50).tolist()
-    served = greedy(server, prompt, 64)
+    served = greedy(either_backend, prompt, 64)
     full = torch.tensor([prompt + served])
     with torch.no_grad():
         logits = hf_tiny(full).logits[0, len(prompt) - 1 : -1]
@@ -72,9 +93,9 @@ def test_greedy_continuation_of_600_tokens_matches_hf(server, hf_tiny):
     assert served == expected
 
 
-def test_teacher_forced_logprobs_of_664_tokens_match_hf(server, hf_tiny):
+def test_teacher_forced_logprobs_of_664_tokens_match_hf(either_backend, hf_tiny):
     ids = random_ids(664, 1024, seed=51).tolist()
-    served = teacher_forced_logprobs(server, ids)
+    served = teacher_forced_logprobs(either_backend, ids)
     assert (served - hf_logprobs(hf_tiny, ids)).abs().max() <= 1e-3
 
 

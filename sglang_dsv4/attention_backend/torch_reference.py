@@ -42,8 +42,12 @@ class TorchReferenceBackend(AttentionBackend):
         self.pieces: list[list[tuple[int, Checkpoint | None]]] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self.spans = request_spans(forward_batch)
-        self.pieces = [self._pieces(span) for span in self.spans]
+        self.plan_forward(request_spans(forward_batch))
+
+    def plan_forward(self, spans: list[RequestSpan]) -> None:
+        """The forward's requests (and the checkpoints the pool has pending for them)."""
+        self.spans = spans
+        self.pieces = [self._pieces(span) for span in spans]
 
     def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``.

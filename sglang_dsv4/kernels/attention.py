@@ -26,22 +26,11 @@ import triton
 import triton.language as tl
 
 from .interpreter import INTERPRETED, dot
+from .selection import KVSelection
+from .sparse_torch import sparse_decode_attention_reference  # noqa: F401  (the kernel's oracle)
 
 LOG2E = 1.4426950408889634
 MERGE_BLOCK_HEADS = 16  # small blocks: the merge is a pure stream, and many programs keep it wide
-
-
-@dataclass(frozen=True)
-class KVSelection:
-    """The rows of one KV pool that each query reads: ``pool[indices[r, :lengths[r]]]``.
-
-    ``pool`` is ``[pool_rows, head_dim]``; ``indices`` ``[rows, width]`` int32 (entries
-    past a row's length are never read); ``lengths`` ``[rows]`` int32.
-    """
-
-    pool: torch.Tensor
-    indices: torch.Tensor
-    lengths: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -188,46 +177,6 @@ def _check_inputs(
             raise ValueError(f"{name} indices must be int32 [{rows}, width] with a contiguous last dim")
         if part.lengths.dtype != torch.int32 or part.lengths.shape != (rows,):
             raise ValueError(f"{name} lengths must be int32 [{rows}]")
-
-
-def sparse_decode_attention_reference(
-    q: torch.Tensor,
-    window: KVSelection,
-    compressed: KVSelection,
-    sink: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    scale: float,
-) -> torch.Tensor:
-    """The same attention in torch (gather, then the model's softmax with the sink), in ``q``'s dtype."""
-    keys = torch.cat([_gather(window), _gather(compressed)], dim=1)  # [rows, width, head_dim]
-    visible = torch.cat([_visible(window), _visible(compressed)], dim=1)
-    logits = torch.einsum("rhd,rkd->rhk", q, keys) * scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
-    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("rhk,rkd->rhd", probs.to(keys.dtype), keys)
-    return _inverse_rope(out, cos, sin)
-
-
-def _gather(part: KVSelection) -> torch.Tensor:
-    return part.pool[part.indices.long().clamp(0, part.pool.shape[0] - 1)]
-
-
-def _visible(part: KVSelection) -> torch.Tensor:
-    width = part.indices.shape[1]
-    return torch.arange(width, device=part.indices.device)[None, :] < part.lengths[:, None]
-
-
-def _inverse_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rope_dim = 2 * cos.shape[-1]
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = cos[:, None, :].to(compute), sin[:, None, :].to(compute)
-    rope = x[..., -rope_dim:].to(compute)
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos + odd * sin, odd * cos - even * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
 
 
 @triton.jit

@@ -60,12 +60,7 @@ class Attention(nn.Module):
         """Attend tokens ``start .. start + L - 1`` (``x``: ``[L, hidden]``), advancing ``state``."""
         length = x.shape[0]
         positions = torch.arange(start, start + length, device=x.device)
-        cos, sin = self.rotary.cos_sin(positions)
-
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).view(length, self.num_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        q_residual, q, kv, cos, sin = self.project(x, positions)
 
         keys = torch.cat([state.window, kv])
         key_positions = torch.arange(start - state.window.shape[0], start + length, device=x.device)
@@ -85,7 +80,22 @@ class Attention(nn.Module):
             out = attend_visible(q, keys, key_positions.shape[0], visible, self.attn_sink, cos, sin, scale=scale)
         else:
             out = apply_rope(self._attend(q, keys, visible), cos, sin, inverse=True)
-        return self._project_out(out)
+        return self.project_out(out)
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of tokens ``x [L, hidden]`` at ``positions [L]``: ``(q_residual, q, kv, cos, sin)``.
+
+        ``q`` ``[L, heads, head_dim]`` and ``kv`` ``[L, head_dim]`` are normalised and roped;
+        ``q_residual`` is the low-rank query the indexer reads; ``cos, sin`` are the rope at ``positions``.
+        """
+        cos, sin = self.rotary.cos_sin(positions)
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
+        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q_residual, q, kv, cos, sin
 
     def _compressed(
         self, x: torch.Tensor, q_residual: torch.Tensor, start: int, positions: torch.Tensor, state: LayerState
@@ -112,7 +122,7 @@ class Attention(nn.Module):
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         return torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: each head group to ``o_lora_rank``, then to hidden."""
         length = out.shape[0]
         grouped = out.reshape(length, self.o_groups, -1)

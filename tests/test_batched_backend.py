@@ -1,0 +1,310 @@
+"""The batched attention core against the per-request torch reference backend, on one pool configuration.
+
+Two pools of one configuration go through the same operations (binding rows, reserving,
+checkpoints, resumes); one forward runs the network with the reference backend on the first,
+the batched core on the second. The logits must agree (float32, 1e-5 of their scale), and so
+must every row the forward wrote: window slots, compressed entries, indexer keys, state
+records, the records one step back and the checkpoint records.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from conftest import assert_close_to_scale, random_ids
+
+from sglang_dsv4.attention_backend import batched
+from sglang_dsv4.attention_backend.torch_reference import RequestSpan, TorchReferenceBackend
+from sglang_dsv4.kernels import sparse_torch
+from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.kernels.sparse_torch import sparse_attention, sparse_decode_attention_reference, streamed_top_k
+from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.model.network import run_blocks
+
+ROWS, CONTEXT, TOKENS = 9, 2048, 8192
+
+
+class TwoBackends:
+    """The reference backend on one pool, the batched core on another, driven alike."""
+
+    def __init__(self, model, snapshot_interval: int = 0, snapshot_before_extend_end: bool = False):
+        self.model = model
+        self.pools = []
+        for _ in range(2):
+            pool = V4KVPool(TOKENS, 1, model.config, torch.float32, ROWS - 1, CONTEXT, "cpu")
+            pool.snapshot_interval = snapshot_interval
+            pool.snapshot_before_extend_end = snapshot_before_extend_end
+            self.pools.append(pool)
+        runner = types.SimpleNamespace(token_to_kv_pool=self.pools[0], req_to_token_pool=None)
+        self.reference = TorchReferenceBackend(runner)
+        self.filled = 0  # checkpoints filled in forwards (and compared)
+        self.sequences = {row: random_ids(CONTEXT, model.config.vocab_size, seed=100 + row) for row in range(ROWS)}
+
+    def each_pool(self, operation) -> list:
+        return [operation(pool) for pool in self.pools]
+
+    def forward(self, rows: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``lengths[i]`` more tokens of row ``rows[i]`` in one forward on both; both logits."""
+        reference_pool, batched_pool = self.pools
+        spans, offset = [], 0
+        for row, length in zip(rows, lengths, strict=True):
+            self.each_pool(lambda pool: pool.tables.bound[row] or pool.start(row))
+            start = reference_pool.tables.position[row]
+            self.each_pool(lambda pool: pool.tables.reserve(row, start + length))
+            spans.append(RequestSpan(row, start, length, offset))
+            offset += length
+        ids = torch.cat([self.sequences[s.request][s.start : s.start + s.length] for s in spans])
+        self.reference.plan_forward(spans)
+        snapshots = [
+            batched.Snapshot(i, c.position, c.record)
+            for i, s in enumerate(spans)
+            for c in batched_pool.snapshots_between(s.request, s.start, s.start + s.length)
+        ]
+        plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
+        index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
+        expected = self._run(ids, lambda layer, block, x: self.reference.attend(block.attn, layer, x, None))
+        actual = self._run(
+            ids,
+            lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool)),
+        )
+        for row, span in zip(rows, spans, strict=True):  # the tree would take the filled checkpoints now
+            taken = self.each_pool(lambda pool: pool.take_snapshots(row, span.start + span.length))
+            self.filled += len(taken[0])
+            for reference_checkpoint, checkpoint in zip(*taken, strict=True):
+                for key, records in reference_pool.checkpoint_state.items():
+                    torch.testing.assert_close(
+                        batched_pool.checkpoint_state[key][checkpoint.record],
+                        records[reference_checkpoint.record],
+                        rtol=1e-5,
+                        atol=1e-5,
+                        msg=f"checkpoint at {checkpoint.position} of row {row}, {key}",
+                    )
+                reference_pool.release(reference_checkpoint)
+                batched_pool.release(checkpoint)
+        return expected, actual
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, attend) -> torch.Tensor:
+        model = self.model
+        streams = model.embed(ids).unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
+        streams = run_blocks(model.layers, streams, attend, lambda layer, block, x: block.ffn(x, ids))
+        return model.head(model.norm(model.hc_head(streams))).float()
+
+    def assert_same_pools(self) -> None:
+        """Every row but the padding row 0 (where the batched core parks the writes it discards).
+
+        The record one step back is compared only for rows whose last forward ran one token:
+        only then is it read (:meth:`V4KVPool.checkpoint`).
+        """
+        reference, other = self.pools
+        one_step = torch.tensor([r for r in range(ROWS) if reference.tables.last_step[r] == 1], dtype=torch.int64)
+        for name in ("window", "compressed", "state", "previous_state", "checkpoint_state"):
+            expected, actual = getattr(reference, name), getattr(other, name)
+            keys = range(len(expected)) if isinstance(expected, list) else expected.keys()
+            rows = one_step if name == "previous_state" else slice(1, None)
+            for key in keys:
+                torch.testing.assert_close(
+                    actual[key][rows], expected[key][rows], rtol=1e-5, atol=1e-5, msg=f"{name} {key}"
+                )
+
+    def checkpoint(self, row: int, position: int, slots: torch.Tensor):
+        """Both pools: the tree commits the row's first ``position`` token slots and checkpoints it there."""
+        self.each_pool(lambda pool: pool.commit_entries(row, slots, 0, position))
+        return self.each_pool(lambda pool: pool.checkpoint(row, position))
+
+    def resume(self, row: int, checkpoints, slots: torch.Tensor) -> None:
+        for pool, checkpoint in zip(self.pools, checkpoints, strict=True):
+            pool.resume(row, checkpoint, slots)
+
+
+def assert_same(logits: tuple[torch.Tensor, torch.Tensor]) -> None:
+    expected, actual = logits
+    assert_close_to_scale(actual, expected, rel=1e-5)
+
+
+def test_prefill_of_requests_of_different_lengths_in_one_forward(tiny_model):
+    pair = TwoBackends(tiny_model)
+    assert_same(pair.forward([1, 2, 3, 4], [300, 1, 129, 5]))
+    pair.assert_same_pools()
+
+
+def test_requests_too_short_to_complete_any_block(tiny_model):
+    pair = TwoBackends(tiny_model)
+    assert_same(pair.forward([1, 2], [3, 2]))
+    assert_same(pair.forward([1, 2], [1, 1]))
+    pair.assert_same_pools()
+
+
+def test_chunked_prefill_with_chunk_ends_inside_blocks_next_to_new_requests(tiny_model):
+    pair = TwoBackends(tiny_model)
+    assert_same(pair.forward([1, 2], [130, 67]))  # 130: inside a ratio-4 and a ratio-128 block
+    assert_same(pair.forward([1, 3, 2], [127, 3, 190]))  # 257, 257: one past a ratio-128 block
+    assert_same(pair.forward([2, 1, 4], [2, 1, 255]))
+    pair.assert_same_pools()
+
+
+def test_decode_batch_at_every_position_modulo_4_and_128_with_snapshots(tiny_model):
+    # Eight requests 16 positions apart decode 17 steps: every position modulo 128 (and so
+    # modulo 4) is some request's, each step completes blocks for some and none for others,
+    # and checkpoints every 12 tokens land on decode steps of different requests.
+    pair = TwoBackends(tiny_model)
+    rows = list(range(1, 9))
+    assert_same(pair.forward(rows, [130 + 16 * i for i in range(8)]))
+    pair.each_pool(lambda pool: setattr(pool, "snapshot_interval", 12))
+    for _ in range(17):
+        assert_same(pair.forward(rows, [1] * 8))
+    pair.assert_same_pools()
+    assert pair.filled == 8 + 3  # one or two per request
+
+
+def test_requests_resumed_from_checkpoints_next_to_cold_ones(tiny_model):
+    pair = TwoBackends(tiny_model)
+    pair.forward([1], [130])
+    pair.forward([1], [67])  # 197: inside a ratio-4 and a ratio-128 block
+    slots = torch.arange(1, 198)  # the token slots a prefix cache would hold for them
+    checkpoints = pair.checkpoint(1, 197, slots)
+    pair.each_pool(lambda pool: pool.tables.free(1))
+    pair.resume(2, checkpoints, slots)
+    assert_same(pair.forward([3, 2], [150, 60]))  # a cold prefill beside the resumed request
+    assert_same(pair.forward([2, 3], [1, 1]))
+    pair.assert_same_pools()
+
+
+def test_snapshots_inside_a_forward_fill_the_checkpoint_records(tiny_model):
+    pair = TwoBackends(tiny_model, snapshot_interval=50, snapshot_before_extend_end=True)
+    assert_same(pair.forward([1, 2], [300, 131]))  # 50, 100, ..., and one before each prompt's end
+    assert pair.filled == 6 + 1 + 2 + 1
+    assert_same(pair.forward([2, 1], [129, 64]))  # 150, 200, 250, 259; 350, 363
+    assert pair.filled == 10 + 4 + 2
+    pair.assert_same_pools()
+
+
+def test_indexer_selections_equal_the_reference(tiny_model):
+    pair = TwoBackends(tiny_model)
+    pair.forward([1, 2], [400, 90])
+    pool = pair.pools[1]
+    layer = tiny_model.config.compress_ratios.index(4)
+    attention = tiny_model.layers[layer].attn
+    starts, lengths = [400, 90], [37, 1]
+    plan = batched.BatchPlan([1, 2], starts, lengths)
+    for row, start, length in zip([1, 2], starts, lengths, strict=True):
+        pool.tables.reserve(row, start + length)
+    index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
+    x = torch.randn(sum(lengths), tiny_model.config.hidden_size)
+    q_residual, *_ = attention.project(x, index.positions)
+    # The keys the reference selects from: the pool's, advanced by the same tokens.
+    expected, offset = [], 0
+    for row, start, length in zip([1, 2], starts, lengths, strict=True):
+        state = pool.load(layer, row, start, torch.float32)
+        rows = slice(offset, offset + length)
+        positions = torch.arange(start, start + length)
+        attention.indexer.compressor.advance(x[rows], start, state.indexer)
+        visible = torch.arange(state.indexer.entries.shape[0])[None, :] < ((positions + 1) // 4)[:, None]
+        expected.append(attention.indexer.select(x[rows], q_residual[rows], positions, state.indexer, visible))
+        offset += length
+    records = batched._records(pool, (layer, "indexer"))
+    batched._advance(attention.indexer.compressor, x, index, pool.compressed[(layer, "indexer_keys")], records)
+    chosen = batched.select_entries(attention.indexer, x, q_residual, index, pool.compressed[(layer, "indexer_keys")])
+    masks = [mask for request in expected for mask in request]
+    for token, mask in enumerate(masks):
+        chosen_blocks = sorted(chosen[token][chosen[token] >= 0].tolist())
+        assert chosen_blocks == mask.nonzero().flatten().tolist(), f"token {token}"
+    assert (chosen >= 0).all(dim=1).any()  # some tokens see more entries than the top-k keeps
+
+
+def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):
+    pools = [V4KVPool(TOKENS, 1, tiny_model.config, torch.float32, 2, CONTEXT, "cpu") for _ in range(2)]
+    plan = batched.BatchPlan([1], [0], [200])
+    layer = tiny_model.config.compress_ratios.index(128)
+    attention = tiny_model.layers[layer].attn
+    x = torch.randn(200, tiny_model.config.hidden_size)
+    outputs = []
+    for pool, heads in zip(pools, [slice(None), slice(1, 3)], strict=True):
+        pool.start(1)
+        pool.tables.reserve(1, 200)
+        index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
+        outputs.append(batched.attend(attention, layer, x, index, pool, heads))
+    assert outputs[1].shape[1] == 2
+    torch.testing.assert_close(outputs[1], outputs[0][:, 1:3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiles", [(64, 512), (3, 5)])
+def test_tiled_sparse_attention_equals_the_kernels_reference(tiles, monkeypatch):
+    monkeypatch.setattr(sparse_torch, "ROW_TILE", tiles[0])
+    monkeypatch.setattr(sparse_torch, "ENTRY_TILE", tiles[1])
+    rows, heads, dim = 11, 4, 64
+    window_pool, entry_pool = torch.randn(40, dim), torch.randn(90, dim)
+    window = KVSelection(window_pool, torch.randint(0, 40, (rows, 8)).int(), torch.randint(1, 9, (rows,)).int())
+    lengths = torch.tensor([0, 1, 17, 30, 2, 0, 29, 30, 5, 13, 30]).int()  # empty, odd and full rows
+    compressed = KVSelection(entry_pool, torch.randint(0, 90, (rows, 30)).int(), lengths)
+    q, sink = torch.randn(rows, heads, dim), torch.randn(heads)
+    angles = torch.rand(rows, 8) * 6
+    args = (q, window, compressed, sink, angles.cos(), angles.sin())
+    expected = sparse_decode_attention_reference(*args, scale=0.125)
+    torch.testing.assert_close(sparse_attention(*args, scale=0.125), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key_tile", [1024, 7])
+def test_streamed_top_k_equals_top_k_of_all_scores(key_tile, monkeypatch):
+    from sglang_dsv4.kernels.indexer import index_scores_reference
+    from sglang_dsv4.kernels.topk import top_k_reference
+
+    monkeypatch.setattr(sparse_torch, "KEY_TILE", key_tile)
+    rows, heads, dim, k = 9, 8, 32, 6
+    keys, table = torch.randn(100, dim), torch.randperm(100)[:60].view(2, 30)
+    table_row = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1])
+    lengths = torch.tensor([0, 3, 6, 7, 30, 29, 12, 1, 25]).int()  # rows shorter than k, empty, full
+    q, weights = torch.randn(rows, heads, dim), torch.rand(rows, heads)
+    chosen = streamed_top_k(q, weights, keys, table, table_row, lengths, k, scale=0.2)
+    scores = index_scores_reference(q, weights, keys, lengths, scale=0.2, table=table[table_row].int())
+    expected = top_k_reference(scores, lengths, k)
+    for mine, theirs in zip(chosen, expected, strict=True):
+        assert sorted(mine.tolist()) == sorted(theirs.tolist())
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any torch operation returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_a_2k_token_extend_at_64k_context_holds_no_tokens_by_context_tensor(tiny_model):
+    config = tiny_model.config
+    context, tokens = 64 * 1024, 2048
+    pool = V4KVPool(context + tokens, 1, config, torch.float32, 1, context + tokens, "cpu")
+    pool.start(1)
+    pool.tables.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
+    pool.tables.reserve(1, context + tokens)
+    plan = batched.BatchPlan([1], [context], [tokens])
+    x = torch.randn(tokens, config.hidden_size)
+    bound = tokens * (config.sliding_window + config.index_topk) * max(config.num_heads, config.head_dim)
+    for kind in ("csa", "hca"):
+        layer = config.compress_ratios.index(4 if kind == "csa" else 128)
+        with LargestTensor() as probe, torch.no_grad():
+            index = batched.build_index(plan, pool.tables, config, "cpu")
+            batched.attend(tiny_model.layers[layer].attn, layer, x, index, pool)
+        # A dense [tokens x context / 4] score matrix alone would be 33.5M elements, the bound 18.9M.
+        assert probe.largest <= bound, f"{kind}: a tensor of {probe.largest} elements, above {bound}"
+
+
+def test_the_batched_core_imports_neither_sglang_nor_triton():
+    # The hot path must run where SGLang cannot be installed (the H200 host) and on CPU hosts without Triton.
+    code = (
+        "import sys, sglang_dsv4.attention_backend.batched; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'triton'}))"
+    )
+    reply = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert reply.stdout.strip() == "[]"

@@ -88,6 +88,7 @@ TINY_CONFIG: dict[str, Any] = {
 # top-1 logit stands well clear of the second on most steps.
 HEAD_GAIN = 6.0
 
+
 def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> Path:
     """Write a tiny checkpoint (config, weights, tokenizer) to ``out_dir``; return it."""
     out = Path(out_dir)
@@ -96,7 +97,7 @@ def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, 
     model = random_model(raw, seed=seed)
     save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    shipped_tokenizer(raw["vocab_size"]).save_pretrained(out)
+    checkpoint_tokenizer(raw["vocab_size"]).save_pretrained(out)
     return out
 
 
@@ -147,15 +148,26 @@ def _random_tensor(name: str, like: torch.Tensor, num_experts: int, gen: torch.G
     return normal(1 / math.sqrt(shape[-1]))
 
 
-def shipped_tokenizer(vocab_size: int = VOCAB_SIZE):
+def shipped_tokenizer():
     """The shipped checkpoint's tokenizer (``transformers.PreTrainedTokenizerFast``) with the chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(shipped_checkpoint())
-    if len(tokenizer) != vocab_size:
-        raise ValueError(f"the shipped tokenizer has {len(tokenizer)} tokens; the config's vocab_size is {vocab_size}")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def checkpoint_tokenizer(vocab_size: int):
+    """A tokenizer of ``vocab_size`` tokens for a random checkpoint: the shipped one at its own size; a
+    smaller one trained (deterministically) on the shipped vocabulary's own token strings."""
+    shipped = shipped_tokenizer()
+    if vocab_size == len(shipped):
+        return shipped
+    if vocab_size > len(shipped):
+        raise ValueError(
+            f"vocab_size {vocab_size}: random checkpoints take at most the shipped tokenizer's {len(shipped)}"
+        )
+    return train_tokenizer([shipped.decode([token]) for token in range(len(shipped))], vocab_size)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE):

@@ -140,12 +140,13 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
 
 def _register_prefix_cache() -> None:
     """The dsv4 radix cache: the default for V4 checkpoints, and ``--radix-cache-backend dsv4``."""
-    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     from .prefix_cache.admission import register_admission_hooks
     from .prefix_cache.registration import build_v4_radix_cache
 
-    register_radix_cache_backend("dsv4", build_v4_radix_cache)
+    if "dsv4" not in registered_radix_cache_backends():  # a second register() in one process (tests) keeps it
+        register_radix_cache_backend("dsv4", build_v4_radix_cache)
     HookRegistry.register(_RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
     HookRegistry.register(_STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
     register_admission_hooks()

@@ -8,24 +8,22 @@ tensors once; every layer's :meth:`BatchedBackend.attend` then runs the batched 
 from __future__ import annotations
 
 import torch
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from ..memory_pool.pool import V4KVPool
 from ..model.attention import Attention
 from . import batched
+from .pool_bound import V4PoolBackend
 from .torch_reference import request_spans
 
 NAME = "dsv4_batched"
 
 
-class BatchedBackend(AttentionBackend):
+class BatchedBackend(V4PoolBackend):
+    name = NAME
+
     def __init__(self, model_runner):
-        super().__init__()
-        self.token_to_kv_pool: V4KVPool = model_runner.token_to_kv_pool
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        if not isinstance(self.token_to_kv_pool, V4KVPool):
-            raise TypeError(f"{NAME} needs the V4 KV pool, got {type(self.token_to_kv_pool).__name__}")
+        super().__init__(model_runner)
         self.index: batched.ForwardIndex | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -50,6 +48,4 @@ def batch_plan(pool: V4KVPool, forward_batch: ForwardBatch) -> batched.BatchPlan
         for i, span in enumerate(spans)
         for checkpoint in pool.snapshots_between(span.request, span.start, span.start + span.length)
     ]
-    return batched.BatchPlan(
-        [s.request for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots
-    )
+    return batched.BatchPlan([s.request for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots)

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from ..memory_pool.checkpoint import Checkpoint
-from ..memory_pool.pool import V4KVPool
 from ..model.attention import Attention
+from .pool_bound import V4PoolBackend
 
 NAME = "dsv4_torch"
 
@@ -31,13 +30,11 @@ class RequestSpan:
     offset: int
 
 
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(V4PoolBackend):
+    name = NAME
+
     def __init__(self, model_runner):
-        super().__init__()
-        self.token_to_kv_pool: V4KVPool = model_runner.token_to_kv_pool
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        if not isinstance(self.token_to_kv_pool, V4KVPool):
-            raise TypeError(f"{NAME} needs the V4 KV pool, got {type(self.token_to_kv_pool).__name__}")
+        super().__init__(model_runner)
         self.spans: list[RequestSpan] = []
         self.pieces: list[list[tuple[int, Checkpoint | None]]] = []
 

@@ -18,6 +18,7 @@ from ..kernels import mhc_post, mhc_post_pre, mhc_pre
 from ..moe import MoE
 from ..moe.experts import RoutedExperts
 from .attention import Attention
+from .linears import Layers, WholeLayers
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
 from .rope import Rotary
@@ -37,12 +38,13 @@ class Block(nn.Module):
         plain_rotary: Rotary,
         compress_rotary: Rotary,
         routed_experts: ExpertsFactory,
+        layers: Layers,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer, plain_rotary, compress_rotary)
+        self.attn = Attention(config, layer, plain_rotary, compress_rotary, layers)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, layer, routed_experts(config, layer))
+        self.ffn = MoE(config, layer, routed_experts(config, layer), layers)
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
@@ -71,20 +73,26 @@ def run_blocks(
 
 class DeepseekV4(nn.Module):
     """The network; ``routed_experts(config, layer)`` builds each layer's routed experts (the torch
-    reference's stacked weights unless the SGLang model passes its ``FusedMoE``)."""
+    reference's stacked weights unless the SGLang model passes its ``FusedMoE``), ``layers`` its
+    projections, embedding and head (whole, unless the SGLang model passes its parallel layers)."""
 
     def __init__(
-        self, config: DeepseekV4Config, routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config)
+        self,
+        config: DeepseekV4Config,
+        routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config),
+        layers: Layers = WholeLayers(),
     ):
         super().__init__()
         self.config = config
         plain = Rotary(config.rope_head_dim, config.rope_theta, None)
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, plain, compress, routed_experts) for i in range(config.num_layers))
+        self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
+        self.layers = nn.ModuleList(
+            Block(config, i, plain, compress, routed_experts, layers) for i in range(config.num_layers)
+        )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = layers.head(config.vocab_size, config.hidden_size, "head")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -2,7 +2,10 @@
 
 Everything but attention runs batched over all new tokens of the batch (embedding, mHC,
 norms, MoE, head); attention goes through the attention backend, which reads and writes
-each request's state in the V4 pool.
+each request's state in the V4 pool. Under ``--tp`` the projections, embedding and head are
+SGLang's parallel layers (:mod:`.sglang_layers`): each rank holds its query heads, output
+groups and vocabulary rows, the pools hold the replicated KV head, and every sublayer's
+output is all-reduced once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ..served_config import served_config
 from .checkpoint_check import check_checkpoint
 from .loader import load_weights
 from .network import DeepseekV4, run_blocks
+from .sglang_layers import SGLangLayers
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -35,7 +39,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.v4_config = served_config(config)
         self.network = DeepseekV4(
-            self.v4_config, routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config)
+            self.v4_config,
+            routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
+            layers=SGLangLayers(quant_config),
         )
         self.logits_processor = LogitsProcessor(config)
 

@@ -39,7 +39,6 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.window = config.sliding_window
         self.o_groups = config.o_groups // layers.tp_size
-        self.all_reduce = layers.all_reduce
         self.eps = config.rms_norm_eps
         self.rotary = plain_rotary if self.kind == "window" else compress_rotary
         self.wq_a = layers.replicated(config.hidden_size, config.q_lora_rank, f"{name}.wq_a")
@@ -134,9 +133,9 @@ class Attention(nn.Module):
         return torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Grouped output projection: each head group to ``o_lora_rank``, then to hidden, summed over ranks."""
+        """Grouped output projection: each head group to ``o_lora_rank``, then to hidden (this rank's partial sum)."""
         length = out.shape[0]
         grouped = out.reshape(length, self.o_groups, -1)
         weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         mixed = torch.einsum("lgi,gri->lgr", grouped, weight)
-        return self.all_reduce(self.wo_b(mixed.reshape(length, -1)))
+        return self.wo_b(mixed.reshape(length, -1))

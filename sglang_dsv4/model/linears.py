@@ -7,7 +7,8 @@ its role, and never looks at the rank itself:
 * ``column``: output rows split over the ranks, each computing its own slice (``wq_b``'s
   query heads, ``wo_a``'s output groups, the shared expert's ``w1`` / ``w3``);
 * ``row``: input columns split, each rank producing a partial sum of the whole output
-  (``wo_b``, the shared expert's ``w2``), summed by ``all_reduce`` once per sublayer;
+  (``wo_b``, the shared expert's ``w2``), summed once per sublayer where the mHC residual
+  takes it (:class:`~.network.Residual`);
 * ``sharded``: a parameter cut by its first dimension (the attention sinks, by head);
 * ``embedding`` and ``head``: the vocabulary.
 
@@ -38,8 +39,6 @@ class Layers(Protocol):
 
     def sharded(self, size: int) -> nn.Parameter: ...
 
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
-
     def embedding(self, vocab: int, hidden: int, name: str) -> nn.Module: ...
 
     def head(self, vocab: int, hidden: int, name: str) -> nn.Module: ...
@@ -63,9 +62,6 @@ class WholeLayers:
 
     def sharded(self, size: int) -> nn.Parameter:
         return nn.Parameter(torch.zeros(size))
-
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial
 
     def embedding(self, vocab: int, hidden: int, name: str) -> nn.Module:
         return nn.Embedding(vocab, hidden)

@@ -8,7 +8,6 @@ alone, as :class:`~.linears.Layers` promises, instead of SGLang's ``(output, bia
 from __future__ import annotations
 
 import torch
-from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
 from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -31,7 +30,7 @@ class _Row(RowParallelLinear):
 
 
 class SGLangLayers:
-    """:class:`~.linears.Layers` over SGLang's TP group; ``row`` layers leave their sums to ``all_reduce``."""
+    """:class:`~.linears.Layers` over SGLang's TP group; ``row`` layers leave their sums to the residual."""
 
     def __init__(self, quant_config=None):
         self.quant_config = quant_config
@@ -59,9 +58,6 @@ class SGLangLayers:
 
         param.weight_loader = load
         return param
-
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return tensor_model_parallel_all_reduce(partial)
 
     def embedding(self, vocab: int, hidden: int, name: str) -> nn.Module:
         return VocabParallelEmbedding(vocab, hidden, prefix=name)

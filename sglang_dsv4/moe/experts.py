@@ -86,7 +86,7 @@ def grouped_experts(
 class MoE(nn.Module):
     def __init__(self, config: DeepseekV4Config, layer: int, experts: nn.Module, layers: Layers = WholeLayers()):
         """``experts``: the layer's routed experts, called as ``experts(x, weights, expert ids)``; under TP
-        they return this rank's partial sum, as the shared expert does, and one all-reduce sums both."""
+        they return this rank's partial sum, as the shared expert does (the residual sums them: ``network.Residual``)."""
         super().__init__()
         self.gate = Gate(config, hashed=config.is_hash_layer(layer))
         self.experts = experts
@@ -97,8 +97,7 @@ class MoE(nn.Module):
             layers,
             f"layers.{layer}.ffn.shared_experts",
         )
-        self.all_reduce = layers.all_reduce
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, token_ids)
-        return self.all_reduce(self.experts(x, weights, experts) + self.shared_experts(x))
+        return self.experts(x, weights, experts) + self.shared_experts(x)

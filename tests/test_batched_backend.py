@@ -9,9 +9,11 @@ records, the records one step back and the checkpoint records.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -460,3 +462,17 @@ def test_the_batched_core_imports_neither_sglang_nor_triton():
     )
     reply = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert reply.stdout.strip() == "[]"
+
+
+def test_kernels_import_nothing_above_them_and_no_model_or_kernel_file_checks_a_device():
+    # The layering of the hot path: kernels/ takes tensors only; the one device choice is kernels/dispatch.py's.
+    package = Path(batched.__file__).parents[1]
+    for path in sorted((package / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1 and not (node.module or "").startswith("sglang"), f"{path.name} imports above"
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("sglang") for alias in node.names), f"{path.name} imports above"
+    for path in [*(package / "kernels").glob("*.py"), *(package / "model").glob("*.py")]:
+        if path.name != "dispatch.py":
+            assert "is_cuda" not in path.read_text(), f"{path.parent.name}/{path.name} checks the device"

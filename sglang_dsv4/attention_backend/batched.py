@@ -11,7 +11,8 @@ It computes what the torch reference backend computes request by request (and th
   partial block; complete blocks write their entry (and indexer key) rows; the state after
   the forward, and at every checkpoint position inside it, is written to its record;
 * ratio-4 layers read the indexer's top-k entries, ratio-128 layers every complete entry;
-  one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.sparse_torch.sparse_attention`).
+  one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.dispatch.sparse_attention`:
+  the Triton kernel on CUDA, tiled torch elsewhere).
 
 Everything a forward needs to find its rows is built once, before the first layer, as index
 tensors (:class:`ForwardIndex`, from plain fields: :class:`BatchPlan`); each layer then runs
@@ -34,8 +35,9 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
+from ..kernels.dispatch import sparse_attention
 from ..kernels.selection import KVSelection
-from ..kernels.sparse_torch import sparse_attention, streamed_top_k
+from ..kernels.sparse_torch import streamed_top_k
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
 from ..model.indexer import Indexer

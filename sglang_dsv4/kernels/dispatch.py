@@ -1,0 +1,71 @@
+"""The one place that chooses between this package's Triton kernels and their torch implementations.
+
+:func:`uses_triton` is the choice: the Triton kernels (and torch's CUDA grouped GEMM) for tensors
+on a CUDA device, the batched torch implementations everywhere else. Every caller that has both
+asks it, here for the tensor-level operations and in :mod:`sglang_dsv4.model.kernel_calls` for
+the network's modules; no other file checks a device. The kernel modules (and Triton) are
+imported only on the CUDA path, so CPU hosts never need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import sparse_torch
+from .selection import KVSelection
+
+
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """Whether operations on ``tensor`` run the Triton kernels: on a CUDA device."""
+    return tensor.device.type == "cuda"
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    window: KVSelection,
+    compressed: KVSelection,
+    sink: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """One softmax over each row's window rows, compressed rows and the sink, inverse rope on the
+    output: ``[rows, heads, head_dim]`` (:func:`.sparse_torch.sparse_decode_attention_reference`)."""
+    if uses_triton(q):
+        from .attention import sparse_decode_attention
+
+        return sparse_decode_attention(q, window, compressed, sink.contiguous(), cos, sin, scale=scale)
+    return sparse_torch.sparse_attention(q, window, compressed, sink, cos, sin, scale=scale)
+
+
+def grouped_gated_mlp(
+    x: torch.Tensor,
+    group_sizes: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (the first ``group_sizes[0]`` rows expert 0's, and so on)
+    through their expert's gated MLP ``w2[e] activation(w1[e] x, w3[e] x)``; rows past the last
+    group are left unwritten.
+
+    On CUDA in bf16, torch's grouped GEMM over the groups (no host sync); elsewhere one GEMM
+    per non-empty group, after one read of the group sizes.
+    """
+    if uses_triton(x) and x.dtype == torch.bfloat16:
+        offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
+        gate = torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets)
+        up = torch._grouped_mm(x, w3.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(activation(gate, up), w2.transpose(1, 2), offs=offsets)
+    out = x.new_zeros(x.shape[0], w2.shape[1])
+    start = 0
+    for expert, size in enumerate(group_sizes.tolist()):
+        if size:
+            rows = x[start : start + size]
+            out[start : start + size] = activation(rows @ w1[expert].T, rows @ w3[expert].T) @ w2[expert].T
+            start += size
+    return out

@@ -12,7 +12,7 @@ It computes what the torch reference backend computes request by request (and th
   the forward, and at every checkpoint position inside it, is written to its record;
 * ratio-4 layers read the indexer's top-k entries, ratio-128 layers every complete entry;
   one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.dispatch.sparse_attention`:
-  the Triton kernel on CUDA, tiled torch elsewhere).
+  the Triton kernel on CUDA, tiled torch elsewhere, as for the indexer's top-k).
 
 Everything a forward needs to find its rows is built once, before the first layer, as index
 tensors (:class:`ForwardIndex`, from plain fields: :class:`BatchPlan`); each layer then runs
@@ -35,9 +35,8 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
-from ..kernels.dispatch import sparse_attention
+from ..kernels.dispatch import index_top_k, sparse_attention
 from ..kernels.selection import KVSelection
-from ..kernels.sparse_torch import streamed_top_k
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
 from ..model.indexer import Indexer
@@ -491,7 +490,7 @@ def select_entries(
     """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1."""
     q, head_weights = indexer.queries(x, q_residual, index.positions)
     reads = index.entries[indexer.compressor.ratio]
-    return streamed_top_k(
+    return index_top_k(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
         scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners,
     )  # fmt: skip

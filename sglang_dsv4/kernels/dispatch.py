@@ -41,6 +41,56 @@ def sparse_attention(
     return sparse_torch.sparse_attention(q, window, compressed, sink, cos, sin, scale=scale)
 
 
+# Query rows scored at once on the Triton path: its scores are [rows, context / 4] float32 (256 MiB at 1M).
+INDEX_ROW_TILE = 256
+
+
+def index_top_k(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    table: torch.Tensor,
+    table_row: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    scale: float,
+    tile_owners: list[int],
+) -> torch.Tensor:
+    """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, best first, then ``-1``
+    (:func:`.sparse_torch.streamed_top_k`, whose arguments these are)."""
+    if uses_triton(q):
+        return index_top_k_triton(q, head_weights, keys, table, table_row, lengths, k, scale=scale)
+    return sparse_torch.streamed_top_k(
+        q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners
+    )
+
+
+def index_top_k_triton(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    table: torch.Tensor,
+    table_row: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
+    ``torch.topk`` (sorted: best first), which beats the Triton top-k below 128K keys (benchmarks/RESULTS.md)."""
+    from .indexer import index_scores
+    from .topk import top_k_reference
+
+    weights, chosen = head_weights.float().contiguous(), []
+    for first in range(0, q.shape[0], INDEX_ROW_TILE):
+        tile = slice(first, first + INDEX_ROW_TILE)
+        rows_table = table[table_row[tile]].to(torch.int32)
+        scores = index_scores(q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table)
+        chosen.append(top_k_reference(scores, lengths[tile], k).long())
+    return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
+
+
 def grouped_gated_mlp(
     x: torch.Tensor,
     group_sizes: torch.Tensor,

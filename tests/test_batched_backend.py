@@ -9,15 +9,19 @@ records, the records one step back and the checkpoint records.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_close_to_scale, random_ids
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_dsv4.attention_backend import batched
+from sglang_dsv4.attention_backend.batched_backend import BatchedBackend
 from sglang_dsv4.attention_backend.torch_reference import RequestSpan, TorchReferenceBackend
 from sglang_dsv4.kernels import sparse_torch
 from sglang_dsv4.kernels.selection import KVSelection
@@ -47,8 +51,13 @@ class TwoBackends:
     def each_pool(self, operation) -> list:
         return [operation(pool) for pool in self.pools]
 
-    def forward(self, rows: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``lengths[i]`` more tokens of row ``rows[i]`` in one forward on both; both logits."""
+    def forward(
+        self, rows: list[int], lengths: list[int], decode_graph: DecodeGraphRunner | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``lengths[i]`` more tokens of row ``rows[i]`` in one forward on both; both logits.
+
+        With ``decode_graph`` the batched side is a decode batch replayed through the backend's
+        CUDA-graph hooks, padded to the graph's size (the padded rows' logits are dropped)."""
         reference_pool, batched_pool = self.pools
         spans, offset = [], 0
         for row, length in zip(rows, lengths, strict=True):
@@ -65,12 +74,17 @@ class TwoBackends:
             for c in batched_pool.snapshots_between(s.request, s.start, s.start + s.length)
         ]
         plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
-        index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
+        batched_ids = ids
+        if decode_graph is None:
+            index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
+        else:
+            index = decode_graph.replay(rows, [s.start + 1 for s in spans])
+            batched_ids = torch.cat([ids, torch.zeros(index.tokens - len(ids), dtype=ids.dtype)])
         expected = self._run(ids, lambda layer, block, x: self.reference.attend(block.attn, layer, x, None))
         actual = self._run(
-            ids,
+            batched_ids,
             lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool)),
-        )
+        )[: len(ids)]
         for row, span in zip(rows, spans, strict=True):  # the tree would take the filled checkpoints now
             taken = self.each_pool(lambda pool: pool.take_snapshots(row, span.start + span.length))
             self.filled += len(taken[0])
@@ -181,6 +195,146 @@ def test_snapshots_inside_a_forward_fill_the_checkpoint_records(tiny_model):
     assert_same(pair.forward([2, 1], [129, 64]))  # 150, 200, 250, 259; 350, 363
     assert pair.filled == 10 + 4 + 2
     pair.assert_same_pools()
+
+
+class DecodeGraphRunner:
+    """Drives :class:`BatchedBackend`'s CUDA-graph hooks as SGLang 0.5.23's decode graph runner does.
+
+    ``init_cuda_graph_state(max_bs, ...)`` once; static input buffers of ``max_bs`` rows
+    (``req_pool_indices`` 0, ``seq_lens`` the backend's fill value); each size captured largest
+    first: ``init_forward_metadata_out_graph(in_capture=True)``, then the in-graph step (and the
+    warm-up forward, which :meth:`capture` runs through every layer). A replay copies the real
+    rows into the buffers' first rows, pads the rest, runs the out-of-graph step on the padded
+    view, then the in-graph step (what ``graph.replay()`` re-executes), and checks that the
+    index lies at the addresses captured for that size.
+    """
+
+    def __init__(self, pool: V4KVPool, model, sizes: list[int]):
+        self.pool, self.model, self.sizes = pool, model, sorted(sizes)
+        runner = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None)
+        self.backend = BatchedBackend(runner)
+        max_bs = self.sizes[-1]
+        self.backend.init_cuda_graph_state(max_bs, max_bs)
+        self.fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64)
+        self.seq_lens = torch.full((max_bs,), self.fill, dtype=torch.int64)
+        self.addresses: dict[int, dict[str, int]] = {}
+
+    def _view(self, size: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            batch_size=size,
+            forward_mode=ForwardMode.DECODE,
+            req_pool_indices=self.req_pool_indices[:size],
+            seq_lens=self.seq_lens[:size],
+        )
+
+    def capture(self) -> None:
+        for size in reversed(self.sizes):
+            view = self._view(size)
+            self.backend.init_forward_metadata_out_graph(view, in_capture=True)
+            self.backend.init_forward_metadata_in_graph(view)
+            index = self.backend.index
+            self.addresses[size] = tensor_addresses(index)
+            x = torch.randn(size, self.model.config.hidden_size)
+            with torch.no_grad():
+                for layer, block in enumerate(self.model.layers):
+                    batched.attend(block.attn, layer, x, index, self.pool)
+
+    def replay(self, rows: list[int], seq_lens: list[int]) -> batched.ForwardIndex:
+        size = min(s for s in self.sizes if s >= len(rows))
+        self.req_pool_indices[: len(rows)] = torch.tensor(rows)
+        self.req_pool_indices[len(rows) : size] = 0
+        self.seq_lens[: len(rows)] = torch.tensor(seq_lens)
+        self.seq_lens[len(rows) : size] = self.fill
+        view = self._view(size)
+        self.backend.init_forward_metadata_out_graph(view)
+        self.backend.init_forward_metadata_in_graph(view)
+        index = self.backend.index
+        assert tensor_addresses(index) == self.addresses[size], f"the index of size {size} moved"
+        padded = slice(len(rows), size)
+        for name, targets in padding_writes(index, len(rows)).items():
+            assert (targets[padded] == 0).all(), f"a padded row writes {name} outside the padding rows"
+        return index
+
+
+def tensor_addresses(value, path: str = "index") -> dict[str, int]:
+    """``data_ptr`` of every tensor in an index, by its path."""
+    if isinstance(value, torch.Tensor):
+        return {path: value.data_ptr()}
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in tensor_addresses(item, f"{path}[{key}]").items()}
+    if hasattr(value, "__dataclass_fields__"):
+        fields = value.__dataclass_fields__
+        return {k: v for name in fields for k, v in tensor_addresses(getattr(value, name), f"{path}.{name}").items()}
+    return {}
+
+
+def padding_writes(index: batched.ForwardIndex, requests: int) -> dict[str, torch.Tensor]:
+    """Per decode request, the rows it writes: window slot, state record, entry rows, checkpoint records."""
+    writes = {"window slots": index.window.write_slots, "state records": index.rows}
+    for ratio, targets in index.compressors.items():
+        writes[f"ratio-{ratio} entry rows"] = targets.entry_rows
+        writes[f"ratio-{ratio} checkpoint records"] = targets.snapshot_records
+    return writes
+
+
+def test_decode_replayed_through_the_graph_hooks_equals_the_reference_and_pads_into_padding_rows(tiny_model):
+    # Five requests at different positions modulo 4 and 128 decode 14 steps through graphs of sizes
+    # 4 and 8 (3 real rows padded to 4, or 5 to 8), with checkpoints every 12 tokens landing on
+    # decode steps; the capture's warm-up forwards (all padding) come first, on the same pool.
+    pair = TwoBackends(tiny_model)
+    rows = [1, 2, 3, 4, 5]
+    assert_same(pair.forward(rows, [125, 130, 255, 3, 62]))
+    graph = DecodeGraphRunner(pair.pools[1], tiny_model, sizes=[1, 4, 8])
+    graph.capture()
+    pair.assert_same_pools()  # the warm-up forwards wrote padding rows only
+    pair.each_pool(lambda pool: setattr(pool, "snapshot_interval", 12))
+    for step in range(14):
+        batch = rows[:3] if step % 2 else rows
+        assert_same(pair.forward(batch, [1] * len(batch), decode_graph=graph))
+    pair.assert_same_pools()
+    assert pair.filled == 4  # at 132 (rows 1 and 2), 144 (row 2) and 264 (row 3), in graphs of both sizes
+
+
+DATA_SIZED_OPS = frozenset({torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default})
+
+
+class HostSyncProbe(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every torch operation that reads a tensor's values on the host or sizes its output
+    by them (a device-to-host synchronisation on CUDA, impossible inside a CUDA graph)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads_host = func is torch.ops.aten._local_scalar_dense.default
+        data_sized = func in DATA_SIZED_OPS or (
+            func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        )
+        masked = func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if reads_host or data_sized or masked:
+            raise AssertionError(f"host synchronisation: {func}")
+        return func(*args, **kwargs)
+
+
+def test_the_in_graph_decode_step_does_no_host_synchronisation(tiny_model, monkeypatch):
+    pair = TwoBackends(tiny_model)
+    assert_same(pair.forward([1, 2, 3], [130, 7, 300]))
+    pool = pair.pools[1]
+    for row in (1, 2, 3):
+        pool.tables.reserve(row, pool.tables.position[row] + 1)
+    graph = DecodeGraphRunner(pool, tiny_model, sizes=[4])
+    graph.req_pool_indices[:3] = torch.tensor([1, 2, 3])
+    graph.seq_lens[:3] = torch.tensor([131, 8, 301])
+    view = graph._view(4)
+    graph.backend.init_forward_metadata_out_graph(view)  # host work belongs here
+    for name in ("tolist", "item", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _name=name, **k: pytest.fail(f"host read: {_name}"))
+    x = torch.randn(4, tiny_model.config.hidden_size)
+    with HostSyncProbe(), torch.no_grad():
+        graph.backend.init_forward_metadata_in_graph(view)
+        for layer, block in enumerate(tiny_model.layers):
+            batched.attend(block.attn, layer, x, graph.backend.index, pool)
 
 
 def test_indexer_selections_equal_the_reference(tiny_model):
@@ -308,3 +462,17 @@ def test_the_batched_core_imports_neither_sglang_nor_triton():
     )
     reply = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert reply.stdout.strip() == "[]"
+
+
+def test_kernels_import_nothing_above_them_and_no_model_or_kernel_file_checks_a_device():
+    # The layering of the hot path: kernels/ takes tensors only; the one device choice is kernels/dispatch.py's.
+    package = Path(batched.__file__).parents[1]
+    for path in sorted((package / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1 and not (node.module or "").startswith("sglang"), f"{path.name} imports above"
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("sglang") for alias in node.names), f"{path.name} imports above"
+    for path in [*(package / "kernels").glob("*.py"), *(package / "model").glob("*.py")]:
+        if path.name != "dispatch.py":
+            assert "is_cuda" not in path.read_text(), f"{path.parent.name}/{path.name} checks the device"

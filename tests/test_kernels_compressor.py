@@ -175,8 +175,8 @@ def test_decode_of_a_batch_matches_reference(kernel, monkeypatch, ratio, overlap
 @interpreted_only
 @pytest.mark.parametrize("ratio,overlapping", KINDS)
 def test_model_compressor_on_the_kernel_path(kernel, ratio, overlapping):
-    """The glue the model uses on CUDA (``kernels._compressor_advance_kernel``) keeps the model's state exact."""
-    from sglang_dsv4.kernels import _compressor_advance_kernel
+    """The glue the model uses on CUDA (``model.kernel_calls.compressor_advance_kernel``) keeps the model's state exact."""
+    from sglang_dsv4.model.kernel_calls import compressor_advance_kernel
 
     compressor = random_compressor(ratio, overlapping, torch.float32, seed=30 + ratio)
     reference = Reference(compressor)
@@ -186,7 +186,7 @@ def test_model_compressor_on_the_kernel_path(kernel, ratio, overlapping):
         x = torch.randn(length, HIDDEN)
         reference.advance(x, start)
         with torch.no_grad():
-            _compressor_advance_kernel(compressor, x, start, state)
+            compressor_advance_kernel(compressor, x, start, state)
         start += length
     assert relative_error(state.entries, reference.state.entries) < TOLERANCE[torch.float32]
     assert_same_record(record_of(state), record_of(reference.state), TOLERANCE[torch.float32])

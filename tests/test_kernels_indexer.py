@@ -179,3 +179,26 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
         expected = module.select(x, q_residual, positions, state, visible)
     assert visible.sum(-1).max() > module.topk
     assert torch.equal(chosen, expected)
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows,k", [(7, 6), (300, 4)])  # one row tile, and two (the second partial)
+def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(rows, k, poisoned):
+    from sglang_dsv4.kernels import sparse_torch
+    from sglang_dsv4.kernels.dispatch import index_top_k_triton
+
+    heads, dim, pool_rows, blocks = 8, 32, 100, 37
+    torch.manual_seed(rows)
+    keys, table = torch.randn(pool_rows, dim), torch.randint(0, pool_rows, (3, blocks))
+    table_row = torch.randint(0, 3, (rows,))
+    lengths = torch.randint(0, blocks + 1, (rows,)).int()
+    lengths[:4] = torch.tensor([0, 1, k, blocks], dtype=torch.int32)  # empty, shorter than k, exactly k, full
+    q, weights = torch.randn(rows, heads, dim), torch.rand(rows, heads)
+    args = (q, weights, keys, table, table_row, lengths, k)
+    chosen = index_top_k_triton(*args, scale=0.2)
+    expected = sparse_torch.streamed_top_k(*args, scale=0.2)
+    assert chosen.dtype == expected.dtype and chosen.shape == expected.shape
+    for row, (mine, theirs) in enumerate(zip(chosen.tolist(), expected.tolist(), strict=True)):
+        found = min(k, int(lengths[row]))
+        assert all(slot >= 0 for slot in mine[:found]) and all(slot == -1 for slot in mine[found:]), f"row {row}"
+        assert sorted(mine) == sorted(theirs), f"row {row}"

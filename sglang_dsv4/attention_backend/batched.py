@@ -11,7 +11,8 @@ It computes what the torch reference backend computes request by request (and th
   partial block; complete blocks write their entry (and indexer key) rows; the state after
   the forward, and at every checkpoint position inside it, is written to its record;
 * ratio-4 layers read the indexer's top-k entries, ratio-128 layers every complete entry;
-  one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.sparse_torch.sparse_attention`).
+  one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.dispatch.sparse_attention`:
+  the Triton kernel on CUDA, tiled torch elsewhere, as for the indexer's top-k).
 
 Everything a forward needs to find its rows is built once, before the first layer, as index
 tensors (:class:`ForwardIndex`, from plain fields: :class:`BatchPlan`); each layer then runs
@@ -26,6 +27,7 @@ Imports nothing from SGLang: the pool is read through the attributes :class:`Poo
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,8 +35,8 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
+from ..kernels.dispatch import index_top_k, sparse_attention
 from ..kernels.selection import KVSelection
-from ..kernels.sparse_torch import sparse_attention, streamed_top_k
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
 from ..model.indexer import Indexer
@@ -170,26 +172,135 @@ def build_index(
     if plan.is_decode:
         taken = {s.request: s.record for s in snapshots}
         snapshots = [Snapshot(i, s + 1, taken.get(i, 0)) for i, s in enumerate(plan.starts)]
-    rows = torch.tensor(plan.rows, dtype=torch.int64)
-    starts = torch.tensor(plan.starts, dtype=torch.int64)
-    lengths = torch.tensor(plan.lengths, dtype=torch.int64)
-    token_request = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    positions = starts[token_request] + torch.arange(len(token_request)) - offsets[token_request]
-    batch = _Batch(rows, starts, lengths, offsets, token_request, positions, snapshots)
-    window, ratios = config.sliding_window, sorted(tables.entry_table)
-    tiles = token_request.split(sparse_torch.ROW_TILE)
-    index = ForwardIndex(
-        positions=positions,
-        token_request=token_request,
-        rows=rows,
-        single_step_rows=torch.where(lengths == 1, rows, 0),
-        window=_window_index(batch, tables.window_table, window),
-        compressors={r: _compressor_targets(batch, tables.entry_table[r], r) for r in ratios},
-        entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate) for r in ratios},
-        tile_owners=[int(tile[0]) if tile[0] == tile[-1] else -1 for tile in tiles],
+    batch = _Batch.of(
+        torch.tensor(plan.rows, dtype=torch.int64),
+        torch.tensor(plan.starts, dtype=torch.int64),
+        torch.tensor(plan.lengths, dtype=torch.int64),
+        tokens=sum(plan.lengths),
+        snapshot_request=torch.tensor([s.request for s in snapshots], dtype=torch.int64),
+        snapshot_position=torch.tensor([s.position for s in snapshots], dtype=torch.int64),
+        snapshot_record=torch.tensor([s.record for s in snapshots], dtype=torch.int64),
+    )
+    ends = [start + length for start, length in zip(plan.starts, plan.lengths, strict=True)]
+    sizes = {
+        r: _Sizes(
+            touched=sum((end - 1) // r - start // r + 1 for start, end in zip(plan.starts, ends, strict=True)),
+            width=max(1, min(r, max(plan.lengths, default=1))),
+            blocks=max(1, max(ends, default=0) // r),
+        )
+        for r in tables.entry_table
+    }
+    index = _index(
+        batch, tables, config, sizes, _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
     )
     return _to_device(index, torch.device(device))
+
+
+def build_decode_index(
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    snapshot_records: torch.Tensor,
+    tables: RequestTableStorage,
+    config: DeepseekV4Config,
+) -> ForwardIndex:
+    """A decode forward's index tensors from device tensors, with no host synchronisation.
+
+    Request ``i`` (pool row ``rows[i]``) runs position ``seq_lens[i] - 1`` and takes its
+    checkpoint into record ``snapshot_records[i]`` (0: none). Shapes depend on the batch size
+    only: entry tables span the tables' whole width, so the same code runs eagerly and inside
+    a CUDA graph (:class:`DecodeGraphIndex`).
+    """
+    requests, device = rows.shape[0], rows.device
+    rows, seq_lens = rows.long(), seq_lens.long()
+    batch = _Batch.of(
+        rows,
+        seq_lens - 1,
+        torch.ones_like(rows),
+        tokens=requests,
+        snapshot_request=torch.arange(requests, device=device),
+        snapshot_position=seq_lens,
+        snapshot_record=snapshot_records.long(),
+    )
+    sizes = {r: _Sizes(touched=requests, width=1, blocks=table.shape[1]) for r, table in tables.entry_table.items()}
+    # Token i is request i: only a tile of one token has an owner.
+    return _index(batch, tables, config, sizes, _tile_owners(list(range(requests))))
+
+
+class PendingCheckpoint(Protocol):
+    """A checkpoint the pool has planned and not handed on yet (:class:`~sglang_dsv4.memory_pool.checkpoint.Checkpoint`)."""
+
+    position: int
+    record: int
+
+
+# The pending checkpoints of a request row a decode step can fill: its next one and, while SGLang's
+# overlapped scheduler has already reserved the step after, that step's.
+PENDING_PER_ROW = 2
+
+
+class DecodeGraphIndex:
+    """The decode :class:`ForwardIndex` of a CUDA graph, rebuilt in place before every replay.
+
+    Every tensor of the index lives in a buffer allocated once for ``max_requests``; a batch of
+    ``n`` requests reads the first rows of each, so the addresses a captured graph reads never
+    change. The host's part (:meth:`stage_checkpoints`, before the graph) writes the pending
+    checkpoints of every request row into a device table; the device's part (:meth:`build`,
+    recordable in the graph) looks up each row's checkpoint at its new length there and
+    builds the index from the batch's device tensors alone. Padded rows (request row 0 at
+    length 1) write only padding rows: window slot 0, entry row 0, state and checkpoint record 0.
+    """
+
+    def __init__(
+        self, max_requests: int, tables: RequestTableStorage, config: DeepseekV4Config, device: torch.device | str
+    ):
+        self.tables, self.config = tables, config
+        request_rows = tables.window_table.shape[0]
+        self.pending = torch.full((request_rows, PENDING_PER_ROW, 2), -1, dtype=torch.int64, device=device)
+        self._staged = torch.full_like(self.pending, -1, device="cpu")
+        rows = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        # Cloned: an index may hold its inputs themselves (its rows are the batch's), and no two buffers may share memory.
+        self.buffers = _map_tensors(build_decode_index(rows, rows + 1, rows, tables, config), torch.clone)
+
+    def stage_checkpoints(self, pending: Mapping[int, Sequence[PendingCheckpoint]]) -> None:
+        """Host side, before a replay: ``(position, record)`` of each row's first pending checkpoints."""
+        self._staged.fill_(-1)
+        for row, checkpoints in pending.items():
+            for slot, checkpoint in enumerate(sorted(checkpoints, key=lambda c: c.position)[:PENDING_PER_ROW]):
+                self._staged[row, slot, 0], self._staged[row, slot, 1] = checkpoint.position, checkpoint.record
+        self.pending.copy_(self._staged)
+
+    def build(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
+        """Device side: the index of a decode batch (``rows``, ``seq_lens``: ``[n]`` device tensors)
+        in the buffers' first rows, with no host operation."""
+        pending = self.pending[rows.long()]  # [n, PENDING_PER_ROW, (position, record)]
+        due = pending[..., 0] == seq_lens.long()[:, None]
+        records = torch.where(due, pending[..., 1], 0).sum(-1)
+        return _copy_into(self.buffers, build_decode_index(rows, seq_lens, records, self.tables, self.config))
+
+
+def _copy_into(buffers, value):
+    """``value`` (an index, or any of its parts) copied into the first rows of ``buffers``: the same
+    structure, whose tensors are views of the buffers'."""
+    if isinstance(value, torch.Tensor):
+        view = buffers[: value.shape[0]]
+        view.copy_(value)
+        return view
+    if isinstance(value, dict):
+        return {key: _copy_into(buffers[key], item) for key, item in value.items()}
+    if hasattr(value, "__dataclass_fields__"):
+        fields = value.__dataclass_fields__
+        return type(value)(**{name: _copy_into(getattr(buffers, name), getattr(value, name)) for name in fields})
+    return value
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """A forward's host-known sizes for one compressor ratio: the blocks it touches, the widest
+    pool a target gathers, and the entry-table columns its tokens read."""
+
+    touched: int
+    width: int
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -200,7 +311,17 @@ class _Batch:
     offsets: torch.Tensor
     token_request: torch.Tensor
     positions: torch.Tensor
-    snapshots: list[Snapshot]
+    snapshot_request: torch.Tensor
+    snapshot_position: torch.Tensor
+    snapshot_record: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, *, tokens: int, **snapshots) -> _Batch:
+        requests = torch.arange(rows.shape[0], device=rows.device)
+        token_request = torch.repeat_interleave(requests, lengths, output_size=tokens)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        positions = starts[token_request] + torch.arange(tokens, device=rows.device) - offsets[token_request]
+        return cls(rows, starts, lengths, offsets, token_request, positions, **snapshots)
 
     @property
     def ends(self) -> torch.Tensor:
@@ -211,40 +332,69 @@ class _Batch:
         return self.offsets[request] + position - self.starts[request]
 
 
+def _index(
+    batch: _Batch,
+    tables: RequestTableStorage,
+    config: DeepseekV4Config,
+    sizes: dict[int, _Sizes],
+    tile_owners: list[int],
+) -> ForwardIndex:
+    ratios = sorted(tables.entry_table)
+    return ForwardIndex(
+        positions=batch.positions,
+        token_request=batch.token_request,
+        rows=batch.rows,
+        single_step_rows=torch.where(batch.lengths == 1, batch.rows, 0),
+        window=_window_index(batch, tables.window_table, config.sliding_window),
+        compressors={r: _compressor_targets(batch, tables.entry_table[r], r, sizes[r]) for r in ratios},
+        entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
+        tile_owners=tile_owners,
+    )
+
+
+def _tile_owners(token_request: list[int]) -> list[int]:
+    """Per ``ROW_TILE`` tokens, the request owning them all, or -1 (host values, from host values)."""
+    tiles = (
+        token_request[first : first + sparse_torch.ROW_TILE]
+        for first in range(0, len(token_request), sparse_torch.ROW_TILE)
+    )
+    return [tile[0] if tile[0] == tile[-1] else -1 for tile in tiles]
+
+
 def _window_index(batch: _Batch, window_table: torch.Tensor, window: int) -> WindowIndex:
     tokens, before = len(batch.positions), window - 1
     request, position = batch.token_request, batch.positions
+    device = position.device
     write_slots = window_table[batch.rows[request], position]
-    earlier = batch.starts[:, None] - before + torch.arange(before)  # [requests, window - 1]
+    earlier = batch.starts[:, None] - before + torch.arange(before, device=device)  # [requests, window - 1]
     previous = torch.where(earlier >= 0, window_table[batch.rows[:, None], earlier.clamp(min=0)], 0)
     # A token at p reads positions max(0, p - window + 1) .. p.
     lengths = torch.clamp(position + 1, max=window)
-    keys = (position - window + 1).clamp(min=0)[:, None] + torch.arange(window)
+    keys = (position - window + 1).clamp(min=0)[:, None] + torch.arange(window, device=device)
     in_chunk = keys >= batch.starts[request, None]
     staged = torch.where(
         in_chunk,
         batch.token_of(request[:, None], keys),
         tokens + request[:, None] * before + keys - (batch.starts[request, None] - before),
     )
-    staged = torch.where(torch.arange(window) < lengths[:, None], staged, 0)
+    staged = torch.where(torch.arange(window, device=device) < lengths[:, None], staged, 0)
     return WindowIndex(write_slots, previous.flatten(), staged.to(torch.int32), lengths.to(torch.int32))
 
 
-def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int) -> CompressorTargets:
-    starts, ends = batch.starts, batch.ends
+def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int, sizes: _Sizes) -> CompressorTargets:
+    starts, ends, touched = batch.starts, batch.ends, sizes.touched
+    device = starts.device
     first_block = starts // ratio
     counts = (ends - 1) // ratio - first_block + 1
-    touched = int(counts.sum())
-    request = torch.repeat_interleave(torch.arange(len(starts)), counts)
+    request = torch.repeat_interleave(torch.arange(len(starts), device=device), counts, output_size=touched)
     first_target = torch.cumsum(counts, 0) - counts
-    block = first_block[request] + torch.arange(touched) - first_target[request]
+    block = first_block[request] + torch.arange(touched, device=device) - first_target[request]
     lo = torch.maximum(starts[request], block * ratio)
     hi = torch.minimum(ends[request], (block + 1) * ratio)
     complete = hi == (block + 1) * ratio
-    previous = torch.where(block > first_block[request], torch.arange(touched) - 1, -1)
+    previous = torch.where(block > first_block[request], torch.arange(touched, device=device) - 1, -1)
 
-    snap_request = torch.tensor([s.request for s in batch.snapshots], dtype=torch.int64)
-    snap_position = torch.tensor([s.position for s in batch.snapshots], dtype=torch.int64)
+    snap_request, snap_position = batch.snapshot_request, batch.snapshot_position
     snap_block = snap_position // ratio
     snap_previous = torch.where(
         snap_block > first_block[snap_request],
@@ -255,8 +405,7 @@ def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int) ->
     all_block = torch.cat([block, snap_block])
     all_lo = torch.cat([lo, torch.maximum(starts[snap_request], snap_block * ratio)])
     all_hi = torch.cat([hi, snap_position])
-    width = max(1, min(ratio, max(batch.lengths.tolist(), default=1)))
-    pooled = all_lo[:, None] + torch.arange(width)
+    pooled = all_lo[:, None] + torch.arange(sizes.width, device=device)
     valid = pooled < all_hi[:, None]
     return CompressorTargets(
         tokens=torch.where(valid, batch.token_of(all_request[:, None], pooled), 0),
@@ -271,28 +420,32 @@ def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int) ->
         entry_positions=block * ratio,
         last_target=first_target + counts - 1,
         ends_block=ends % ratio == 0,
-        snapshot_records=torch.tensor([s.record for s in batch.snapshots], dtype=torch.int64),
+        snapshot_records=batch.snapshot_record,
     )
 
 
-def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all: bool) -> EntryReads:
+def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all: bool, sizes: _Sizes) -> EntryReads:
     # At least one column, so that the padding entries a selection points at exist.
-    table = entry_table[batch.rows, : max(1, max(batch.ends.tolist(), default=0) // ratio)]
+    table = entry_table[batch.rows, : sizes.blocks]
     visible = ((batch.positions + 1) // ratio).to(torch.int32)
     return EntryReads(table, visible, table[batch.token_request].to(torch.int32) if read_all else None)
 
 
 def _to_device(index: ForwardIndex, device: torch.device) -> ForwardIndex:
-    def move(value):
-        if isinstance(value, torch.Tensor):
-            return value.to(device, non_blocking=True)
-        if isinstance(value, dict):
-            return {key: move(item) for key, item in value.items()}
-        if hasattr(value, "__dataclass_fields__"):
-            return type(value)(**{name: move(getattr(value, name)) for name in value.__dataclass_fields__})
-        return value
+    return _map_tensors(index, lambda tensor: tensor.to(device, non_blocking=True))
 
-    return move(index)
+
+def _map_tensors(value, function):
+    """An index (or any of its parts) with ``function`` applied to every tensor in it."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, function) for key, item in value.items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return type(value)(
+            **{name: _map_tensors(getattr(value, name), function) for name in value.__dataclass_fields__}
+        )
+    return value
 
 
 # --- one layer -----------------------------------------------------------------------------------
@@ -337,7 +490,7 @@ def select_entries(
     """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1."""
     q, head_weights = indexer.queries(x, q_residual, index.positions)
     reads = index.entries[indexer.compressor.ratio]
-    return streamed_top_k(
+    return index_top_k(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
         scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners,
     )  # fmt: skip

@@ -3,6 +3,13 @@
 ``init_forward_metadata`` turns the forward batch into a :class:`~.batched.BatchPlan` (plain
 rows, starts, lengths and the checkpoints the forward fills) and builds the forward's index
 tensors once; every layer's :meth:`BatchedBackend.attend` then runs the batched core.
+
+Decode in a CUDA graph goes through SGLang's graph hooks instead, in the order its decode graph
+runner calls them: ``init_cuda_graph_state`` once, then per capture and per replay
+``init_forward_metadata_out_graph`` (host: the pending checkpoints to a device table) and
+``init_forward_metadata_in_graph`` (device only, recorded in the graph: the index of the padded
+batch, from its ``req_pool_indices`` and ``seq_lens``, into buffers of stable address;
+:class:`~.batched.DecodeGraphIndex`).
 """
 
 from __future__ import annotations
@@ -25,11 +32,32 @@ class BatchedBackend(V4PoolBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.index: batched.ForwardIndex | None = None
+        self.graph_index: batched.DecodeGraphIndex | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool = self.token_to_kv_pool
         plan = batch_plan(pool, forward_batch)
         self.index = batched.build_index(plan, pool.tables, pool.config, pool.device)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        pool = self.token_to_kv_pool
+        self.graph_index = batched.DecodeGraphIndex(max_bs, pool.tables, pool.config, pool.device)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded rows decode position 0 of request row 0, SGLang's padding row: every row they write is a
+        padding row."""
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        self._graph_index().stage_checkpoints(self.token_to_kv_pool.pending)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        self.index = self._graph_index().build(forward_batch.req_pool_indices, forward_batch.seq_lens)
+
+    def _graph_index(self) -> batched.DecodeGraphIndex:
+        if self.graph_index is None:
+            raise RuntimeError(f"{NAME}: a CUDA-graph metadata hook before init_cuda_graph_state")
+        return self.graph_index
 
     def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``."""

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import INTERPRETED
+
 STREAMS = 4  # hc_mult of every V4 config; the partials pass holds one tile per stream
 MIX_COLUMNS_PAD = 32  # (2 + n) * n = 24 mix columns for n = 4, padded to a power of two
 BLOCK_TOKENS = 16  # tokens per program of the partials pass (the dot needs 16 rows)
@@ -340,7 +342,7 @@ def _launch_partials(
         )
         # The interpreter multiplies bf16 bit patterns as integers, so off the GPU the dot
         # runs in float32; bf16 products are exact in float32 either way.
-        dot_in_fp32 = not (streams.is_cuda and fn.dtype == streams.dtype and fn.dtype == torch.bfloat16)
+        dot_in_fp32 = INTERPRETED or not (fn.dtype == streams.dtype == torch.bfloat16)
     if tokens == 0:
         return partials
     placeholder = streams  # for pointer arguments this variant never reads

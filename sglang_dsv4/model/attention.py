@@ -16,6 +16,7 @@ from torch import nn
 from ..config import DeepseekV4Config
 from .compressor import Compressor
 from .indexer import Indexer
+from .kernel_calls import attend_visible
 from .linears import Layers, WholeLayers
 from .norms import RMSNorm, rms_normalize
 from .rope import Rotary, apply_rope
@@ -83,13 +84,7 @@ class Attention(nn.Module):
         state.window = keys[: key_positions.shape[0]][-self.window :]
         state.added = kv
 
-        if q.is_cuda:  # the Triton kernel: both pools, the sink and the inverse rope in one pass
-            from ..kernels.attention import attend_visible
-
-            scale = self.head_dim**-0.5
-            out = attend_visible(q, keys, key_positions.shape[0], visible, self.attn_sink, cos, sin, scale=scale)
-        else:
-            out = apply_rope(self._attend(q, keys, visible), cos, sin, inverse=True)
+        out = attend_visible(self, q, keys, key_positions.shape[0], visible, cos, sin)
         return self.project_out(out)
 
     def project(

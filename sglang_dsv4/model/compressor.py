@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import compressor_advance
+from .kernel_calls import compressor_advance
 from .norms import RMSNorm
 from .rope import Rotary, apply_rope
 
@@ -144,7 +144,7 @@ class Compressor(nn.Module):
 
         Appends the entries of the blocks this completes to ``state.entries`` and
         returns how many were appended. On CUDA a Triton kernel pools the blocks
-        (:func:`sglang_dsv4.kernels.compressor_advance`), elsewhere :meth:`advance_reference`.
+        (:func:`sglang_dsv4.model.kernel_calls.compressor_advance`), elsewhere :meth:`advance_reference`.
         """
         return compressor_advance(self, x, start, state)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import DeepseekV4Config
 from .compressor import Compressor, CompressorState
+from .kernel_calls import select_visible
 from .linears import Layers, WholeLayers
 from .rope import Rotary, apply_rope
 
@@ -64,11 +65,17 @@ class Indexer(nn.Module):
         keys = state.entries
         if keys.shape[0] == 0:
             return visible
-        if x.is_cuda:  # the Triton kernels: scoring, then an exact top-k
-            from ..kernels.indexer import select_visible
+        return select_visible(self, x, q_residual, positions, keys, visible)
 
-            q, head_weights = self.queries(x, q_residual, positions)
-            return select_visible(q, head_weights, keys, visible, self.topk, scale=self.head_dim**-0.5)
+    def select_reference(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`select` in torch, over keys ``[num_keys, index_head_dim]``."""
         scores = self.scores(x, q_residual, positions, keys).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         chosen = torch.zeros_like(visible).scatter_(-1, top, True)

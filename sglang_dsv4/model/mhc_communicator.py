@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..kernels import mhc_post, mhc_post_pre, mhc_pre
+from .kernel_calls import mhc_post, mhc_post_pre, mhc_pre
 from .mhc import HyperConnection
 from .norms import RMSNorm
 

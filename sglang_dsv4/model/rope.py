@@ -54,7 +54,7 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[len(positions), rope_dim // 2]`` in float32."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
         return angles.cos(), angles.sin()
 
 

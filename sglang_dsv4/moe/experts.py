@@ -60,12 +60,12 @@ def grouped_experts(
 
     The ``(token, slot)`` pairs are sorted by expert, so each expert's tokens are one contiguous
     group and every expert runs one GEMM per projection over its group
-    (:func:`~sglang_dsv4.kernels.grouped_gated_mlp`: a grouped GEMM on CUDA, a loop over the
+    (:func:`~sglang_dsv4.kernels.dispatch.grouped_gated_mlp`: a grouped GEMM on CUDA, a loop over the
     groups on the CPU after one read of their sizes). Pairs routed to -1 (an expert on another
     rank) sort last, outside every group, and add nothing; the results are weighted and summed
     back per token.
     """
-    from ..kernels import grouped_gated_mlp
+    from ..kernels.dispatch import grouped_gated_mlp
 
     num_experts, top_k = w1.shape[0], experts.shape[1]
     flat = experts.reshape(-1)

@@ -1,0 +1,343 @@
+"""One batched decode step of one attention layer on the GPU, captured in a CUDA graph, against its floors.
+
+``python benchmarks/engine_step.py [--out DIR] [--quick]`` on a CUDA host (the H200: torch 2.11,
+Triton 3.6; nothing on this path imports SGLang). In one run it
+
+1. measures the ceilings (device-to-device copy bandwidth, a bf16 8192^3 product;
+   :mod:`kernels.attention_indexer`'s);
+2. for V4-Flash and V4-Pro dims (``sglang_dsv4/configs``), each layer kind (window only,
+   ratio 4, ratio 128), batch 1, 8, 64, 256 and contexts 8K and 128K (bf16 KV, every request
+   at the context's last position, distinct rows per request), builds the layer's pools and
+   request tables, and captures the served decode step in a ``torch.cuda.CUDAGraph``: the
+   decode index built on the device (:class:`~sglang_dsv4.attention_backend.batched.DecodeGraphIndex`),
+   then :func:`~sglang_dsv4.attention_backend.batched.attend` and the output projection;
+3. replays it on new inputs (other hidden states) and checks the output and every row it wrote
+   bitwise equal to the same step run eagerly from the same pool state;
+4. times, each as a replayed graph: the whole step; the decode index build alone (once per
+   forward in serving, shared by every layer); the projections alone (query, KV, output,
+   compressor and indexer projections) against their weight-bytes floor; the attention core
+   alone (the indexer's top-k and the sparse softmax over window, entries and sink, on
+   selections staged from the step) against its KV-bytes floor;
+5. at batch 64 and 8K, times the per-request path in the same run: the network's
+   ``Attention`` request by request on per-request state (what the reference backend runs,
+   without its pool gathers, so an upper bound on its speed).
+
+Bytes are counted as distinct requests move them: window 128 rows of ``head_dim`` bf16, ratio-4
+layers ``index_topk`` selected entries and all ``context / 4`` indexer keys, ratio-128 layers all
+``context / 128`` entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from sglang_dsv4.attention_backend import batched
+from sglang_dsv4.config import DeepseekV4Config, named_config
+from sglang_dsv4.kernels.dispatch import sparse_attention
+from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
+from sglang_dsv4.model.attention import Attention
+from sglang_dsv4.model.rope import Rotary
+
+sys.path.insert(0, str(Path(__file__).parent / "kernels"))  # the kernel benchmarks' timer and ceilings
+from attention_indexer import Timer, floor_us, measure_ceilings
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+KINDS = {"window": 0, "csa": 4, "hca": 128}
+BATCHES = (1, 8, 64, 256)
+CONTEXTS = (8192, 131072)
+
+
+@dataclass
+class LayerPools:
+    """One layer's pool tensors and request tables, in the attributes the batched core reads."""
+
+    window: list[torch.Tensor]
+    compressed: dict[tuple[int, str], torch.Tensor]
+    state: dict[tuple[int, str], torch.Tensor]
+    previous_state: dict[tuple[int, str], torch.Tensor]
+    checkpoint_state: dict[tuple[int, str], torch.Tensor]
+    window_table: torch.Tensor
+    entry_table: dict[int, torch.Tensor]
+
+    def records(self) -> list[torch.Tensor]:
+        return [*self.state.values(), *self.previous_state.values(), *self.checkpoint_state.values()]
+
+    def written(self) -> list[torch.Tensor]:
+        """Every tensor a step writes."""
+        return [*self.records(), *self.compressed.values(), self.window[-1]]
+
+
+def build_attention(config: DeepseekV4Config, kind: str) -> tuple[int, Attention]:
+    layer = next(i for i in range(config.num_layers) if config.layer_kind(i) == kind)
+    plain = Rotary(config.rope_head_dim, config.rope_theta, None)
+    compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
+    torch.manual_seed(layer)
+    attention = Attention(config, layer, plain, compress).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        for parameter in attention.parameters():
+            parameter.normal_(0, parameter.shape[-1] ** -0.5 if parameter.dim() > 1 else 0.1)
+    return layer, attention
+
+
+def build_pools(config: DeepseekV4Config, layer: int, batch: int, context: int) -> LayerPools:
+    """Request row ``i + 1`` (row 0 is the padding row) at ``context - 1`` tokens, with its own rows."""
+    rows, window = batch + 1, config.sliding_window
+    layout = PoolLayout(config, DTYPE)
+    window_table = torch.zeros(rows, context + 1, dtype=torch.int64, device=DEVICE)
+    held = torch.arange(context - window - 1, context, device=DEVICE)
+    window_table[1:, held] = 1 + torch.arange(batch * len(held), device=DEVICE).view(batch, -1)
+    window_rows = torch.randn(1 + batch * len(held), config.head_dim, device=DEVICE, dtype=DTYPE)
+    # Every ratio's table (the tables are the whole model's); the rows of this layer's ratio only.
+    ratios = (config.csa_rate, config.hca_rate)
+    entry_table = {r: torch.zeros(rows, context // r + 1, dtype=torch.int64, device=DEVICE) for r in ratios}
+    compressed = {}
+    for buffer in layout.compressed_buffers():
+        if buffer.layer != layer:
+            continue
+        blocks = context // buffer.ratio
+        entry_table[buffer.ratio][1:, :blocks] = 1 + torch.arange(batch * blocks, device=DEVICE).view(batch, blocks)
+        compressed[(layer, buffer.kind)] = torch.randn(1 + batch * blocks, buffer.dim, device=DEVICE, dtype=DTYPE)
+    records = {
+        (b.layer, b.kind): torch.zeros(rows, b.pools, 3, b.dim, dtype=STATE_DTYPE, device=DEVICE)
+        for b in layout.state_buffers()
+        if b.layer == layer
+    }
+    return LayerPools(
+        [window_rows] * (layer + 1),
+        compressed,
+        records,
+        {k: v.clone() for k, v in records.items()},
+        {k: v.clone() for k, v in records.items()},
+        window_table,
+        entry_table,
+    )
+
+
+class DecodeStep:
+    """The served decode step of one layer, from static inputs, capturable."""
+
+    def __init__(self, config: DeepseekV4Config, attention: Attention, layer: int, pools: LayerPools, batch: int):
+        self.attention, self.layer, self.pools = attention, layer, pools
+        self.graph_index = batched.DecodeGraphIndex(batch, pools, config, DEVICE)
+        self.graph_index.stage_checkpoints({})
+        self.rows = torch.arange(1, batch + 1, device=DEVICE)
+        self.seq_lens = torch.full((batch,), pools.window_table.shape[1] - 1, device=DEVICE)
+        self.x = torch.randn(batch, config.hidden_size, device=DEVICE, dtype=DTYPE)
+
+    def __call__(self) -> torch.Tensor:
+        index = self.graph_index.build(self.rows, self.seq_lens)
+        out = batched.attend(self.attention, self.layer, self.x, index, self.pools)
+        return self.attention.project_out(out)
+
+
+def capture(run) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run.output = run()
+    return graph
+
+
+def replay_equals_eager(step: DecodeStep, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> dict[str, bool]:
+    """Replay on new hidden states against the eager step from the same pool state: the output, and
+    every row the step wrote but the padding rows 0 (where every request of a decode step parks the
+    writes it discards, in an order that is not fixed)."""
+    before = [t.clone() for t in step.pools.records()]
+    step.x.copy_(torch.randn_like(step.x))
+    eager = step()
+    written = [t[1:].clone() for t in step.pools.written()]
+    for record, saved in zip(step.pools.records(), before, strict=True):
+        record.copy_(saved)
+    graph.replay()
+    same_writes = all(torch.equal(a[1:], b) for a, b in zip(step.pools.written(), written, strict=True))
+    return {"output_bitwise": torch.equal(output, eager), "writes_bitwise": same_writes}
+
+
+class Projections:
+    """The step's projections alone: query, KV, compressor and indexer, output."""
+
+    def __init__(self, step: DecodeStep, positions: torch.Tensor):
+        self.step, self.positions = step, positions
+
+    def __call__(self) -> torch.Tensor:
+        attention, x = self.step.attention, self.step.x
+        q_residual, q, _, _, _ = attention.project(x, self.positions)
+        if attention.compressor is not None:
+            attention.compressor.wkv(x), attention.compressor.wgate(x)
+        if attention.indexer is not None:
+            attention.indexer.queries(x, q_residual, self.positions)
+            attention.indexer.compressor.wkv(x), attention.indexer.compressor.wgate(x)
+        return attention.project_out(q)
+
+
+class AttentionCore:
+    """The step's attention core on selections staged from it: the indexer's top-k, then the softmax."""
+
+    def __init__(self, step: DecodeStep, config: DeepseekV4Config):
+        attention, pools = step.attention, step.pools
+        index = step.graph_index.build(step.rows, step.seq_lens)
+        q_residual, self.q, kv, self.cos, self.sin = attention.project(step.x, index.positions)
+        staged = torch.cat([kv, pools.window[step.layer][index.window.previous_slots]])
+        self.window = KVSelection(staged, index.window.indices, index.window.lengths)
+        self.compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
+        self.select = None
+        if attention.compressor is not None:
+            reads = index.entries[attention.compressor.ratio]
+            entries = pools.compressed[(step.layer, "entries")]
+            if attention.indexer is None:
+                self.compressed = KVSelection(entries, reads.per_token, reads.visible)
+            else:
+                keys = pools.compressed[(step.layer, "indexer_keys")]
+                self.entries, self.reads, self.index = entries, reads, index
+
+                def select() -> KVSelection:
+                    chosen = batched.select_entries(attention.indexer, step.x, q_residual, index, keys)
+                    rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)]
+                    return KVSelection(entries, rows.to(torch.int32), (chosen >= 0).sum(-1, dtype=torch.int32))
+
+                self.select = select
+        self.sink = attention.attn_sink.float()
+        self.scale = attention.head_dim**-0.5
+
+    def __call__(self) -> torch.Tensor:
+        compressed = self.select() if self.select is not None else self.compressed
+        return sparse_attention(self.q, self.window, compressed, self.sink, self.cos, self.sin, scale=self.scale)
+
+
+def core_bytes(config: DeepseekV4Config, kind: str, batch: int, context: int) -> float:
+    per_request = config.sliding_window * config.head_dim
+    if kind == "csa":
+        per_request += config.index_topk * config.head_dim + context // 4 * config.index_head_dim
+    elif kind == "hca":
+        per_request += context // 128 * config.head_dim
+    return per_request * batch * DTYPE.itemsize
+
+
+def core_flops(config: DeepseekV4Config, kind: str, batch: int, context: int) -> float:
+    entries = config.sliding_window + {"window": 0, "csa": config.index_topk, "hca": context // 128}[kind]
+    flops = 4 * batch * config.num_heads * entries * config.head_dim
+    if kind == "csa":
+        flops += 2 * batch * config.index_n_heads * (context // 4) * config.index_head_dim
+    return flops
+
+
+def per_request_us(config: DeepseekV4Config, attention: Attention, batch: int, context: int) -> float:
+    """The network's ``Attention`` request by request at position ``context - 1``, eagerly."""
+    start = context - 1
+    states = []
+    for _ in range(batch):
+        state = attention.new_state(DTYPE, DEVICE)
+        state.window = torch.randn(config.sliding_window, config.head_dim, device=DEVICE, dtype=DTYPE)
+        if state.compressor is not None:
+            ratio = attention.compressor.ratio
+            state.compressor.entries = torch.randn(start // ratio, config.head_dim, device=DEVICE, dtype=DTYPE)
+        if state.indexer is not None:
+            state.indexer.entries = torch.randn(start // 4, config.index_head_dim, device=DEVICE, dtype=DTYPE)
+        states.append(state)
+    x = torch.randn(batch, 1, config.hidden_size, device=DEVICE, dtype=DTYPE)
+
+    def run() -> None:
+        for i, state in enumerate(states):
+            attention(x[i], start, state.clone())
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return 1e6 * sorted(times)[1]
+
+
+def weight_bytes(attention: Attention) -> int:
+    return sum(p.numel() * p.element_size() for p in attention.parameters())
+
+
+@torch.no_grad()
+def bench(model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict) -> dict:
+    config = named_config(model)
+    layer, attention = build_attention(config, kind)
+    pools = build_pools(config, layer, batch, context)
+    step = DecodeStep(config, attention, layer, pools, batch)
+    graph = capture(step)
+    row = {"model": model, "kind": kind, "batch": batch, "context": context}
+    row.update(replay_equals_eager(step, graph, step.output))
+    row["step_us"] = timer.median_us(graph.replay)
+    del graph
+    # Once per forward in serving (every layer reads the same index); here inside each layer's step.
+    row["index_us"] = timer.graph_us(partial(step.graph_index.build, step.rows, step.seq_lens))
+    positions = torch.full((batch,), context - 1, device=DEVICE)
+    row["projections_us"] = timer.graph_us(Projections(step, positions))
+    row["projections_floor_us"], row["projections_bound"] = floor_us(
+        weight_bytes(attention), 2 * batch * weight_bytes(attention) / DTYPE.itemsize, ceilings
+    )
+    row["core_us"] = timer.graph_us(AttentionCore(step, config))
+    row["core_floor_us"], row["core_bound"] = floor_us(
+        core_bytes(config, kind, batch, context), core_flops(config, kind, batch, context), ceilings
+    )
+    row["core_of_floor"] = row["core_floor_us"] / row["core_us"]
+    row["projections_of_floor"] = row["projections_floor_us"] / row["projections_us"]
+    if batch == 64 and context == 8192:
+        row["per_request_us"] = per_request_us(config, attention, batch, context)
+        row["step_vs_per_request"] = row["per_request_us"] / row["step_us"]
+    del step, pools
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="batch 8 and 64 at 8K only")
+    parser.add_argument("--models", default="flash,pro")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    args = parser.parse_args()
+    timer = Timer(budget_ms=150)
+    ceilings = measure_ceilings(timer)
+    print(json.dumps(ceilings), flush=True)
+    batches, contexts = ((8, 64), (8192,)) if args.quick else (BATCHES, CONTEXTS)
+    rows = []
+    for model in args.models.split(","):
+        for context in contexts:
+            for batch in batches:
+                for kind in kinds_of(named_config(model), args.kinds.split(",")):
+                    rows.append(guarded(model, kind, batch, context, timer, ceilings))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.out:  # as it goes: a run cut short keeps what it measured
+                        args.out.mkdir(parents=True, exist_ok=True)
+                        result = {"ceilings": ceilings, "rows": rows}
+                        (args.out / "engine_step.json").write_text(json.dumps(result, indent=1))
+
+
+def kinds_of(config: DeepseekV4Config, asked: list[str]) -> list[str]:
+    """The asked layer kinds the config has (V4-Pro has no window-only layer)."""
+    return [kind for kind in asked if any(config.layer_kind(i) == kind for i in range(config.num_layers))]
+
+
+def guarded(model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict) -> dict:
+    """One configuration's row, or the error that stopped it (the others still run)."""
+    try:
+        return bench(model, kind, batch, context, timer, ceilings)
+    except Exception as error:  # noqa: BLE001 - a benchmark row reports its failure and the run goes on
+        torch.cuda.empty_cache()
+        return {"model": model, "kind": kind, "batch": batch, "context": context, "error": repr(error)[:300]}
+
+
+if __name__ == "__main__":
+    main()

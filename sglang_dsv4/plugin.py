@@ -38,6 +38,9 @@ _CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cp
 _STATE_UPDATES = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
 )
+# On the CPU platform, FP8 checkpoints' methods dequantize per use (quantization.py).
+_FP8_METHOD_CHOICE = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
+_FP8_ACTIVATION_DTYPES = "sglang.srt.layers.quantization.fp8.Fp8Config.get_supported_act_dtypes"
 REQUIRED_HOOKS = (
     _CONFIG_LOADING,
     _CPU_PADDING,
@@ -50,6 +53,8 @@ REQUIRED_HOOKS = (
     _RADIX_CACHE_FACTORY,
     _STATE_UPDATES,
     *ADMISSION_HOOKS,
+    _FP8_METHOD_CHOICE,
+    _FP8_ACTIVATION_DTYPES,
 )
 
 
@@ -68,6 +73,7 @@ def register() -> None:
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
+    _register_quantization_hooks()
     register_serving_hooks()
     _register_prefix_cache()
 
@@ -91,6 +97,13 @@ def _register_model() -> None:
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
     register_cpu_forward(DISPATCH_KEY)
+
+
+def _register_quantization_hooks() -> None:
+    from .quantization import cpu_activation_dtypes, cpu_quant_method
+
+    HookRegistry.register(_FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
+    HookRegistry.register(_FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
 
 
 def _register_attention_backend() -> None:

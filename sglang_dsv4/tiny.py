@@ -110,7 +110,7 @@ QUANTIZED_TINY_CONFIG: dict[str, Any] = {
     "head_dim": 128,
     "q_lora_rank": 128,
     "o_lora_rank": 128,
-    "moe_intermediate_size": 128,
+    "moe_intermediate_size": 256,  # whole FP8 blocks of the shared expert at --tp 2
     "quantization_config": RELEASE_QUANTIZATION,
 }
 

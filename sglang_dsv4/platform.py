@@ -9,6 +9,9 @@ well as DeepSeek-V4 through this package's model).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
@@ -58,3 +61,29 @@ def activate() -> str | None:
     if settings().cpu_platform == "off" or torch.cuda.is_available():
         return None
     return f"{__name__}.{TorchCpuPlatform.__qualname__}"
+
+
+def bind_rank_threads(original: Callable[..., str], *, numa_index: int, world_size: int) -> str:
+    """Rank ``numa_index``'s CPU cores, its torch threads bound to them (around SGLang's ``init_threads_binding``).
+
+    SGLang gives each CPU rank one NUMA node, or the cores ``SGLANG_CPU_OMP_THREADS_BIND``
+    names, and refuses more ranks than NUMA nodes. On this platform, unless that variable
+    is set, the cores this process may use are dealt out in equal contiguous shares (one
+    core each, round robin, when there are more ranks than cores); the rank's threads are
+    pinned to its share and their number capped by it.
+    """
+    if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") or not isinstance(_current_platform(), TorchCpuPlatform):
+        return original(numa_index=numa_index, world_size=world_size)
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // world_size)
+    start = (numa_index * share) % len(cores)
+    mine = cores[start : start + share]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(min(torch.get_num_threads(), len(mine)))
+    return ",".join(map(str, mine))
+
+
+def _current_platform():
+    from sglang.srt.platforms import current_platform
+
+    return current_platform

@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .config import check_tensor_parallel
+from .platform import bind_rank_threads
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import SERVING_HOOKS, register_serving_hooks
@@ -35,6 +38,7 @@ _INTERNAL_STATE = (
 _RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
 _CONFIG_LOADING = "sglang.srt.utils.hf_transformers.config.get_config"
 _CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
+_THREAD_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
 _STATE_UPDATES = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
 )
@@ -44,6 +48,7 @@ _FP8_ACTIVATION_DTYPES = "sglang.srt.layers.quantization.fp8.Fp8Config.get_suppo
 REQUIRED_HOOKS = (
     _CONFIG_LOADING,
     _CPU_PADDING,
+    _THREAD_BINDING,
     _UPSTREAM_V4_DEFAULTS,
     _KV_POOL_BUILDER,
     _POOL_SIZING,
@@ -68,6 +73,7 @@ def register() -> None:
     _register_server_arg_overrides()
     HookRegistry.register(_CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
     HookRegistry.register(_CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
+    HookRegistry.register(_THREAD_BINDING, bind_rank_threads, HookType.AROUND)
     HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
     HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
@@ -278,11 +284,24 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         **pool.usage(),
         "allocated_bytes": pool.allocated_bytes,
     }
-    result.internal_state["dsv4_weights"] = {"resident_bytes": _resident_bytes(scheduler.tp_worker.model_runner.model)}
+    resident = _over_tensor_parallel_ranks(_resident_bytes(scheduler.tp_worker.model_runner.model))
+    result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}
     if hasattr(scheduler.tree_cache, "modes"):
         tree = scheduler.tree_cache
+        digests = _over_tensor_parallel_ranks(tree.digest())
         report = {**tree.modes(), **tree.checkpoint_report(), "rows_miscounted": tree.audit()}
+        report["tp_digest_mismatches"] = sum(digest != digests[0] for digest in digests)
         result.internal_state["dsv4_prefix_cache"] = report
+
+
+def _over_tensor_parallel_ranks(value: Any) -> list[Any]:
+    """``value`` from every rank of the TP group, in rank order (every rank runs this request's hooks)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    values = [None] * group.world_size
+    torch.distributed.all_gather_object(values, value, group=group.cpu_group)
+    return values
 
 
 def _resident_bytes(model: Any) -> int:

@@ -247,7 +247,7 @@ def test_server_keeps_the_weight_bytes_the_ledger_says(server, tiny_model):
 
     info = requests.get(f"{server}/server_info", timeout=30).json()["internal_states"][0]
     ledger = RankLedger(tiny_model.config, Parallelism(), quantized=False, dtype=torch.float32)
-    assert info["dsv4_weights"]["resident_bytes"] == sum(ledger.weight_bytes().values())
+    assert info["dsv4_weights"]["resident_bytes_per_rank"] == [sum(ledger.weight_bytes().values())]
 
 
 def test_more_work_than_the_pool_holds_queues_or_retracts_and_stays_exact(server):

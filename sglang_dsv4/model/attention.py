@@ -16,30 +16,40 @@ from torch import nn
 from ..config import DeepseekV4Config
 from .compressor import Compressor
 from .indexer import Indexer
+from .linears import Layers, WholeLayers
 from .norms import RMSNorm, rms_normalize
 from .rope import Rotary, apply_rope
 from .state import LayerState
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DeepseekV4Config, layer: int, plain_rotary: Rotary, compress_rotary: Rotary):
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        layer: int,
+        plain_rotary: Rotary,
+        compress_rotary: Rotary,
+        layers: Layers = WholeLayers(),
+    ):
+        """Under tensor parallelism this rank's query heads and output groups (``1 / tp`` of each)."""
         super().__init__()
+        name = f"layers.{layer}.attn"
         self.kind = config.layer_kind(layer)
-        self.num_heads = config.num_heads
+        self.num_heads = config.num_heads // layers.tp_size
         self.head_dim = config.head_dim
         self.window = config.sliding_window
-        self.o_groups = config.o_groups
+        self.o_groups = config.o_groups // layers.tp_size
         self.eps = config.rms_norm_eps
         self.rotary = plain_rotary if self.kind == "window" else compress_rotary
-        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.wq_a = layers.replicated(config.hidden_size, config.q_lora_rank, f"{name}.wq_a")
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.wq_b = nn.Linear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wq_b = layers.column(config.q_lora_rank, config.num_heads * config.head_dim, f"{name}.wq_b")
+        self.wkv = layers.replicated(config.hidden_size, config.head_dim, f"{name}.wkv")
         self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         group_width = config.num_heads * config.head_dim // config.o_groups
-        self.wo_a = nn.Linear(group_width, config.o_groups * config.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(config.num_heads))
+        self.wo_a = layers.column(group_width, config.o_groups * config.o_lora_rank, f"{name}.wo_a", quantized=False)
+        self.wo_b = layers.row(config.o_groups * config.o_lora_rank, config.hidden_size, f"{name}.wo_b")
+        self.attn_sink = layers.sharded(config.num_heads)
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.kind != "window":
@@ -48,7 +58,7 @@ class Attention(nn.Module):
                 config.hidden_size, config.head_dim, ratio, self.kind == "csa", compress_rotary, config.rms_norm_eps
             )
         if self.kind == "csa":
-            self.indexer = Indexer(config, compress_rotary)
+            self.indexer = Indexer(config, compress_rotary, layers, f"{name}.indexer")
 
     def new_state(self, dtype: torch.dtype, device: torch.device | str) -> LayerState:
         window = torch.zeros(0, self.head_dim, dtype=dtype, device=device)
@@ -123,7 +133,7 @@ class Attention(nn.Module):
         return torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Grouped output projection: each head group to ``o_lora_rank``, then to hidden."""
+        """Grouped output projection: each head group to ``o_lora_rank``, then to hidden (this rank's partial sum)."""
         length = out.shape[0]
         grouped = out.reshape(length, self.o_groups, -1)
         weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])

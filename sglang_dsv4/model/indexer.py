@@ -13,17 +13,19 @@ from torch import nn
 
 from ..config import DeepseekV4Config
 from .compressor import Compressor, CompressorState
+from .linears import Layers, WholeLayers
 from .rope import Rotary, apply_rope
 
 
 class Indexer(nn.Module):
-    def __init__(self, config: DeepseekV4Config, rotary: Rotary):
+    def __init__(self, config: DeepseekV4Config, rotary: Rotary, layers: Layers = WholeLayers(), name: str = "indexer"):
         super().__init__()
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.topk = config.index_topk
         self.rotary = rotary
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        # Whole on every rank: the top-k needs the score summed over all heads (model/weight_layout.py).
+        self.wq_b = layers.replicated(config.q_lora_rank, self.num_heads * self.head_dim, f"{name}.wq_b")
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, config.csa_rate, True, rotary, config.rms_norm_eps

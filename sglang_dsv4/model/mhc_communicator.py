@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..kernels import mhc_post_pre
+from ..kernels import mhc_post, mhc_post_pre, mhc_pre
 from .mhc import HyperConnection
 from .norms import RMSNorm
 
@@ -107,3 +107,37 @@ def replicated_post_pre(
     output = partial.clone()
     dist.all_reduce(output, group=group)
     return mhc_post_pre(output, streams, post, comb, next_hc, next_norm)
+
+
+@dataclass(frozen=True)
+class TokenShardedResidual:
+    """The served network's residual under TP (:class:`~.network.Residual`): this rank holds its
+    token shard of the streams; sublayer outputs arrive by reduce-scatter, the normed input
+    leaves by all-gather (:func:`sharded_post_pre`)."""
+
+    shards: TokenShards
+    group: dist.ProcessGroup
+
+    def pre(self, hc: HyperConnection, norm: RMSNorm, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shard = self.shards.take(streams)
+        x, post, comb = mhc_pre(hc, norm, shard)
+        return shard, self.gather(x), post, comb
+
+    def post_pre(
+        self,
+        partial: torch.Tensor,
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        next_hc: HyperConnection,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, ...]:
+        return sharded_post_pre(partial, streams, post, comb, next_hc, next_norm, self.shards, self.group)
+
+    def post(
+        self, partial: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return mhc_post(reduce_scatter_tokens(partial, self.shards, self.group), streams, post, comb)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return all_gather_tokens(rows, self.shards, self.group)

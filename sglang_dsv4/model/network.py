@@ -9,6 +9,7 @@ the state. Parameter names are the release checkpoint's (``embed``, ``layers.N.a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from ..kernels import mhc_post, mhc_post_pre, mhc_pre
 from ..moe import MoE
 from ..moe.experts import RoutedExperts
 from .attention import Attention
+from .linears import Layers, WholeLayers
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
 from .rope import Rotary
@@ -37,12 +39,13 @@ class Block(nn.Module):
         plain_rotary: Rotary,
         compress_rotary: Rotary,
         routed_experts: ExpertsFactory,
+        layers: Layers,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer, plain_rotary, compress_rotary)
+        self.attn = Attention(config, layer, plain_rotary, compress_rotary, layers)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, layer, routed_experts(config, layer))
+        self.ffn = MoE(config, layer, routed_experts(config, layer), layers)
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
@@ -50,41 +53,99 @@ class Block(nn.Module):
 Sublayer = Callable[[int, Block, torch.Tensor], torch.Tensor]
 
 
+class Residual(Protocol):
+    """Where the mHC residual streams live between sublayers, and how a sublayer's output reaches them.
+
+    A sublayer's output is this process's partial sum (the whole output on one process, a
+    rank's share under tensor parallelism: :mod:`.mhc_communicator`); the next sublayer's
+    normed input ``x`` is returned for every token.
+    """
+
+    def pre(self, hc: HyperConnection, norm: RMSNorm, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From the embedded ``streams`` of every token: ``(held streams, x, post, comb)``."""
+        ...
+
+    def post_pre(
+        self,
+        output: torch.Tensor,
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        next_hc: HyperConnection,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, ...]:
+        """A sublayer's post fused with the next one's pre: ``(held streams, x, post, comb)``."""
+        ...
+
+    def post(self, output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The last sublayer's post: the held streams."""
+        ...
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every token's rows of a tensor computed per token from the held streams."""
+        ...
+
+
+class WholeResidual:
+    """Every token's streams in this process; a sublayer's output is already the whole sum."""
+
+    def pre(self, hc: HyperConnection, norm: RMSNorm, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (streams, *mhc_pre(hc, norm, streams))
+
+    post_pre = staticmethod(mhc_post_pre)
+    post = staticmethod(mhc_post)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+
 def run_blocks(
-    layers: Sequence[Block], streams: torch.Tensor, attend: Sublayer, feed_forward: Sublayer
+    layers: Sequence[Block],
+    streams: torch.Tensor,
+    attend: Sublayer,
+    feed_forward: Sublayer,
+    residual: Residual = WholeResidual(),
 ) -> torch.Tensor:
     """The streams after every block; ``attend`` / ``feed_forward`` map ``(layer, block, normed input)`` to output.
 
     Each sublayer's mHC post is fused with the next sublayer's pre and input norm
     (:func:`sglang_dsv4.kernels.mhc_post_pre`), across block boundaries too.
     """
-    x, post, comb = mhc_pre(layers[0].hc_attn, layers[0].attn_norm, streams)
+    streams, x, post, comb = residual.pre(layers[0].hc_attn, layers[0].attn_norm, streams)
     for layer, block in enumerate(layers):
         attended = attend(layer, block, x)
-        streams, x, post, comb = mhc_post_pre(attended, streams, post, comb, block.hc_ffn, block.ffn_norm)
+        streams, x, post, comb = residual.post_pre(attended, streams, post, comb, block.hc_ffn, block.ffn_norm)
         output = feed_forward(layer, block, x)
         if layer + 1 < len(layers):
             following = layers[layer + 1]
-            streams, x, post, comb = mhc_post_pre(output, streams, post, comb, following.hc_attn, following.attn_norm)
-    return mhc_post(output, streams, post, comb)
+            streams, x, post, comb = residual.post_pre(
+                output, streams, post, comb, following.hc_attn, following.attn_norm
+            )
+    return residual.post(output, streams, post, comb)
 
 
 class DeepseekV4(nn.Module):
     """The network; ``routed_experts(config, layer)`` builds each layer's routed experts (the torch
-    reference's stacked weights unless the SGLang model passes its ``FusedMoE``)."""
+    reference's stacked weights unless the SGLang model passes its ``FusedMoE``), ``layers`` its
+    projections, embedding and head (whole, unless the SGLang model passes its parallel layers)."""
 
     def __init__(
-        self, config: DeepseekV4Config, routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config)
+        self,
+        config: DeepseekV4Config,
+        routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config),
+        layers: Layers = WholeLayers(),
     ):
         super().__init__()
         self.config = config
         plain = Rotary(config.rope_head_dim, config.rope_theta, None)
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, plain, compress, routed_experts) for i in range(config.num_layers))
+        self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
+        self.layers = nn.ModuleList(
+            Block(config, i, plain, compress, routed_experts, layers) for i in range(config.num_layers)
+        )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = layers.head(config.vocab_size, config.hidden_size, "head")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -2,7 +2,10 @@
 
 Everything but attention runs batched over all new tokens of the batch (embedding, mHC,
 norms, MoE, head); attention goes through the attention backend, which reads and writes
-each request's state in the V4 pool.
+each request's state in the V4 pool. Under ``--tp`` the projections, embedding and head are
+SGLang's parallel layers (:mod:`.sglang_layers`): each rank holds its query heads, output
+groups and vocabulary rows, the pools hold the replicated KV head, and the mHC residual
+streams are sharded by tokens between sublayers (:class:`~.mhc_communicator.TokenShardedResidual`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -19,9 +23,11 @@ from torch import nn
 
 from ..moe.fused_moe import FusedRoutedExperts
 from ..served_config import served_config
-from .checkpoint_check import check_checkpoint
-from .loader import load_weights
-from .network import DeepseekV4, run_blocks
+from .checkpoint_check import check_checkpoint, shard_files
+from .loader import load_weights, read_safetensors
+from .mhc_communicator import TokenShardedResidual, TokenShards
+from .network import DeepseekV4, Residual, WholeResidual, run_blocks
+from .sglang_layers import SGLangLayers
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -35,8 +41,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.v4_config = served_config(config)
         self.network = DeepseekV4(
-            self.v4_config, routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config)
+            self.v4_config,
+            routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
+            layers=SGLangLayers(quant_config),
         )
+        self.tp = get_tp_group()
         self.logits_processor = LogitsProcessor(config)
 
     @torch.no_grad()
@@ -56,14 +65,25 @@ class DeepseekV4ForCausalLM(nn.Module):
         network = self.network
         attention_backend = get_attn_backend()
         streams = network.embed(input_ids).unsqueeze(1).expand(-1, self.v4_config.hc_mult, -1).contiguous()
+        residual = self._residual(input_ids.shape[0])
         streams = run_blocks(
             network.layers,
             streams,
             attend=lambda layer, block, x: attention_backend.attend(block.attn, layer, x, forward_batch),
             feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
+            residual=residual,
         )
-        hidden = network.norm(network.hc_head(streams))
+        hidden = residual.gather(network.norm(network.hc_head(streams)))
         return self.logits_processor(input_ids, hidden, network.head, forward_batch)
+
+    def _residual(self, tokens: int) -> Residual:
+        """One process: the whole streams. Under TP: this rank's token shard of them (mHC fused with
+        the communicator, :mod:`.mhc_communicator`)."""
+        if self.tp.world_size == 1:
+            return WholeResidual()
+        return TokenShardedResidual(
+            TokenShards(tokens, self.tp.world_size, self.tp.rank_in_group), self.tp.device_group
+        )
 
     @classmethod
     def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:
@@ -74,8 +94,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """SGLang's weight iterator, after the checkpoint folder's headers are checked (nothing read yet)."""
+        """The checkpoint folder's tensors one at a time, after its headers are checked (nothing read yet).
+
+        SGLang's default safetensors reader keeps about ten whole shard files in flight (its
+        multi-threaded window), each ~5 GB in a release checkpoint; read here, a rank holds one
+        tensor beyond its own shard of the model. SGLang's iterator (a generator, not started)
+        is used only when the model is not a local folder.
+        """
         folder = Path(getattr(self.config, "_name_or_path", ""))
         if (folder / "config.json").is_file():
             check_checkpoint(folder, self.v4_config)
+            weights = read_safetensors(shard_files(folder))
         load_weights(self.network, weights, dtype=self.network.dtype)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..model.linears import Layers, WholeLayers
 from .routing import Gate
 
 
@@ -16,12 +17,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float):
+    """The clamped SwiGLU every token runs; under TP its intermediate dimension is split and the
+    output is this rank's partial sum."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, layers: Layers, name: str):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w1 = layers.column(hidden_size, intermediate_size, f"{name}.w1")
+        self.w2 = layers.row(intermediate_size, hidden_size, f"{name}.w2")
+        self.w3 = layers.column(hidden_size, intermediate_size, f"{name}.w3")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
@@ -80,12 +84,19 @@ def grouped_experts(
 
 
 class MoE(nn.Module):
-    def __init__(self, config: DeepseekV4Config, layer: int, experts: nn.Module):
-        """``experts``: the layer's routed experts, called as ``experts(x, weights, expert ids)``."""
+    def __init__(self, config: DeepseekV4Config, layer: int, experts: nn.Module, layers: Layers = WholeLayers()):
+        """``experts``: the layer's routed experts, called as ``experts(x, weights, expert ids)``; under TP
+        they return this rank's partial sum, as the shared expert does (the residual sums them: ``network.Residual``)."""
         super().__init__()
         self.gate = Gate(config, hashed=config.is_hash_layer(layer))
         self.experts = experts
-        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
+        self.shared_experts = SharedExpert(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.swiglu_limit,
+            layers,
+            f"layers.{layer}.ffn.shared_experts",
+        )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, token_ids)

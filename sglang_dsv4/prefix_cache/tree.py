@@ -28,6 +28,7 @@ counts it); a request whose own window slots cannot be had waits or is retracted
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 import torch
@@ -220,6 +221,27 @@ class V4RadixCache(RadixCache):
             "checkpoints_skipped": dict(self.pool.checkpoints_skipped),
             "requests_held_back": dict(self.held_back),
         }
+
+    def digest(self) -> str:
+        """A hash of the tree (keys and token slots), its checkpoints and every pool row's count.
+
+        Tensor-parallel ranks run the same scheduler decisions on the same pools, so their
+        digests are equal unless the ranks' caches have diverged.
+        """
+        digest = hashlib.sha256()
+        nodes = [self.root_node]
+        while nodes:
+            node = nodes.pop()
+            for key in sorted(node.children):
+                child = node.children[key]
+                digest.update(repr((key, child.key.token_ids, child.value.tolist())).encode())
+                nodes.append(child)
+        for checkpoint in sorted(self.checkpoints.values(), key=lambda c: (c.position, c.record)):
+            digest.update(repr((checkpoint.position, checkpoint.record, checkpoint.window.tolist())).encode())
+        pool = self.pool
+        for rows in (pool.window_slots, pool.records, *pool.entry_rows.values()):
+            digest.update(rows.refs.numpy().tobytes())
+        return digest.hexdigest()
 
     def audit(self) -> dict[str, int]:
         """Rows whose reference count differs from what the rows, checkpoints and pending

@@ -1,0 +1,66 @@
+"""The network's projections on SGLang's parallel layers, split over SGLang's tensor-parallel group.
+
+Each layer is SGLang's own (its quantization method, its weight loader taking the release
+tensor and this rank's shard of it); the subclasses here only return the output tensor
+alone, as :class:`~.linears.Layers` promises, instead of SGLang's ``(output, bias)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from torch import nn
+
+
+class _Replicated(ReplicatedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[0]
+
+
+class _Column(ColumnParallelLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[0]
+
+
+class _Row(RowParallelLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[0]
+
+
+class SGLangLayers:
+    """:class:`~.linears.Layers` over SGLang's TP group; ``row`` layers leave their sums to the residual."""
+
+    def __init__(self, quant_config=None):
+        self.quant_config = quant_config
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+
+    def replicated(self, inputs: int, outputs: int, name: str) -> nn.Module:
+        return _Replicated(inputs, outputs, bias=False, quant_config=self.quant_config, prefix=name)
+
+    def column(self, inputs: int, outputs: int, name: str, quantized: bool = True) -> nn.Module:
+        quant_config = self.quant_config if quantized else None
+        return _Column(inputs, outputs, bias=False, quant_config=quant_config, prefix=name)
+
+    def row(self, inputs: int, outputs: int, name: str) -> nn.Module:
+        return _Row(inputs, outputs, bias=False, reduce_results=False, quant_config=self.quant_config, prefix=name)
+
+    def sharded(self, size: int) -> nn.Parameter:
+        """This rank's ``size / tp`` rows, loaded from the whole checkpoint tensor."""
+        param = nn.Parameter(torch.zeros(size // self.tp_size), requires_grad=False)
+        rank = self.tp_rank
+
+        def load(param: nn.Parameter, whole: torch.Tensor) -> None:
+            local = param.shape[0]
+            param.data.copy_(whole.narrow(0, rank * local, local))
+
+        param.weight_loader = load
+        return param
+
+    def embedding(self, vocab: int, hidden: int, name: str) -> nn.Module:
+        return VocabParallelEmbedding(vocab, hidden, prefix=name)
+
+    def head(self, vocab: int, hidden: int, name: str) -> nn.Module:
+        return ParallelLMHead(vocab, hidden, prefix=name)

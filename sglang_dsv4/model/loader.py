@@ -335,11 +335,7 @@ def parameter_name(release: str) -> tuple[str, int | None]:
 
 
 def _place(param: torch.Tensor, tensor: torch.Tensor, expert: int | None, dtype: torch.dtype) -> None:
-    """Write ``tensor`` into ``param`` (into its row ``expert`` of stacked experts) in ``dtype``; a parameter of
-    SGLang's layers through its own weight loader, in its own dtype."""
-    if expert is None and hasattr(param, "weight_loader"):
-        param.weight_loader(param, tensor)
-        return
+    """Write ``tensor`` into ``param`` (into its row ``expert`` of stacked experts) in ``dtype``."""
     target_dtype = param.dtype if not param.is_floating_point() else dtype
     with torch.no_grad():
         if expert is None:

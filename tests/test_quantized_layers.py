@@ -59,23 +59,25 @@ def release_weight(tensors: dict, name: str) -> tuple[torch.Tensor, torch.Tensor
     return tensors[f"{name}.weight"], tensors[f"{name}.scale"]
 
 
-def fp8_linears_on_one_rank(rank: int, port: int, path: Path, quantization: str | None) -> None:
+def fp8_linears_on_ranks(rank: int, world: int, port: int, path: Path, quantization: str | None) -> None:
     from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
+    from sglang_dsv4.model.block_formats import FP8_BLOCK
     from sglang_dsv4.platform import on_torch_cpu_platform
     from sglang_dsv4.quantization import Fp8DequantLinearMethod
 
-    args = sglang_process(rank, 1, port, path, quantization=quantization)
+    args = sglang_process(rank, world, port, path, quantization=quantization)
     assert on_torch_cpu_platform()
     config = selected_quant_config(args)
     assert isinstance(config, Fp8Config) and config.weight_block_size == [128, 128] and config.is_fp4_experts
     tensors = load_file(path / "model.safetensors")
     specs = {spec.name: spec for spec in checkpoint_tensors(load_config(path), quantized=True)}
-    for kind, name in [
-        (ReplicatedLinear, "layers.1.attn.wq_a"),
-        (ColumnParallelLinear, "layers.1.attn.wq_b"),
-        (RowParallelLinear, "layers.1.attn.wo_b"),
+    generator = torch.Generator().manual_seed(3)
+    for kind, name, split in [
+        (ReplicatedLinear, "layers.1.attn.wq_a", None),
+        (ColumnParallelLinear, "layers.1.attn.wq_b", 0),  # this rank's rows
+        (RowParallelLinear, "layers.1.attn.wo_b", 1),  # this rank's columns, the outputs all-reduced
     ]:
         weight, scale = release_weight(tensors, name)
         layer = kind(weight.shape[1], weight.shape[0], bias=False, quant_config=config, prefix=name)
@@ -84,21 +86,32 @@ def fp8_linears_on_one_rank(rank: int, port: int, path: Path, quantization: str 
         layer.weight.weight_loader(layer.weight, weight)
         layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale)
         layer.quant_method.process_weights_after_loading(layer)
-        assert layer.weight.dtype == torch.float8_e4m3fn and torch.equal(
-            layer.weight.view(torch.uint8), weight.view(torch.uint8)
-        )
-        assert torch.equal(layer.weight_scale_inv, scale), name
+        shard, scale_shard = weight, scale
+        if split is not None:
+            shard = weight.chunk(world, dim=split)[rank]
+            scale_shard = scale.chunk(world, dim=split)[rank]
+            assert scale_shard.shape[split] * FP8_BLOCK == shard.shape[split], name  # whole blocks per rank
+        assert layer.weight.dtype == torch.float8_e4m3fn, name
+        assert torch.equal(layer.weight.view(torch.uint8), shard.view(torch.uint8)), name
+        assert torch.equal(layer.weight_scale_inv, scale_shard), name
         resident = sum(p.numel() * p.element_size() for p in layer.parameters())
-        assert resident == specs[f"{name}.weight"].bytes_on_rank(Parallelism(), 4), name
-        x = torch.randn(5, weight.shape[1])
-        output = layer(x)
+        assert resident == specs[f"{name}.weight"].bytes_on_rank(Parallelism(tp=world), 4), name
+        x = torch.randn(5, weight.shape[1], generator=generator)
+        expected = F.linear(x, dequantize_fp8(weight, scale))
+        if split == 0:
+            expected = expected.chunk(world, dim=1)[rank]
+        output = layer(x.chunk(world, dim=1)[rank] if split == 1 else x)
         output = output[0] if isinstance(output, tuple) else output
-        assert torch.equal(output, F.linear(x, dequantize_fp8(weight, scale))), name
+        torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["checkpoint-config", "--quantization-fp8"])
-def test_fp8_linears_keep_sglangs_fp8_weights_and_equal_their_dequantization(quantized_tiny_path, quantization):
-    mp.spawn(fp8_linears_on_one_rank, args=(free_port(), quantized_tiny_path, quantization), nprocs=1)
+@pytest.mark.parametrize(
+    ("ranks", "quantization"),
+    [(1, None), (1, "fp8"), (2, None)],
+    ids=["tp1-checkpoint-config", "tp1---quantization-fp8", "tp2-checkpoint-config"],
+)
+def test_fp8_linears_keep_sglangs_fp8_weights_and_equal_their_dequantization(quantized_tiny_path, ranks, quantization):
+    mp.spawn(fp8_linears_on_ranks, args=(ranks, free_port(), quantized_tiny_path, quantization), nprocs=ranks)
 
 
 def load_experts(module, tensors: dict, experts: int) -> None:

@@ -46,6 +46,13 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return False
 
 
+def on_torch_cpu_platform() -> bool:
+    """Whether SGLang runs on this platform (its CPU paths are ours to choose)."""
+    from sglang.srt.platforms import current_platform
+
+    return isinstance(current_platform, TorchCpuPlatform)
+
+
 def activate() -> str | None:
     """SGLang's platform discovery calls this: the platform's class path, or None to stay out.
 

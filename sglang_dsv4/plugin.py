@@ -42,6 +42,9 @@ _THREAD_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
 _STATE_UPDATES = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
 )
+# On the CPU platform, FP8 checkpoints' methods dequantize per use (quantization.py).
+_FP8_METHOD_CHOICE = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
+_FP8_ACTIVATION_DTYPES = "sglang.srt.layers.quantization.fp8.Fp8Config.get_supported_act_dtypes"
 REQUIRED_HOOKS = (
     _CONFIG_LOADING,
     _CPU_PADDING,
@@ -55,6 +58,8 @@ REQUIRED_HOOKS = (
     _RADIX_CACHE_FACTORY,
     _STATE_UPDATES,
     *ADMISSION_HOOKS,
+    _FP8_METHOD_CHOICE,
+    _FP8_ACTIVATION_DTYPES,
 )
 
 
@@ -74,6 +79,7 @@ def register() -> None:
     HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
+    _register_quantization_hooks()
     register_serving_hooks()
     _register_prefix_cache()
 
@@ -97,6 +103,13 @@ def _register_model() -> None:
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
     register_cpu_forward(DISPATCH_KEY)
+
+
+def _register_quantization_hooks() -> None:
+    from .quantization import cpu_activation_dtypes, cpu_quant_method
+
+    HookRegistry.register(_FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
+    HookRegistry.register(_FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
 
 
 def _register_attention_backend() -> None:

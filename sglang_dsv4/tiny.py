@@ -14,6 +14,12 @@ same shape with random weights (what the server tests run on, and any config the
   distributions are peaked and greedy comparisons between implementations are meaningful;
 * the shipped checkpoint's tokenizer: a byte-level BPE trained on the same agent text, with the chat
   template of :mod:`sglang_dsv4.chat_template` (DeepSeek-V4's format: tools, tool calls, tool results).
+
+:func:`build_quantized_checkpoint` writes one in the release's quantized format instead (FP8 dense
+projections with 128 x 128 block scales, FP4 routed experts with a power-of-two scale per 32 inputs,
+``quantization_config`` in ``config.json``; :data:`QUANTIZED_TINY_CONFIG` has every quantized side a
+multiple of 128, so no block is partial), and :func:`dequantized_twin` the same model with every weight
+dequantized to float32: the oracle a quantized model's outputs are compared with.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .chat_template import BOS, CHAT_TEMPLATE, EOS, SPECIAL_TOKENS
 from .config import parse_config
-from .model.loader import release_state_dict
+from .model.block_formats import quantize_fp4, quantize_fp8
+from .model.loader import dequantize, release_state_dict, scale_stem
 from .model.network import DeepseekV4
+from .model.weight_layout import Format, checkpoint_tensors
 
 VOCAB_SIZE = 1024
 SHIPPED = Path(__file__).parent / "checkpoints" / "tiny"
@@ -84,6 +92,28 @@ TINY_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# DeepSeek's release quantization_config (V4-Flash / V4-Pro): FP8 E4M3 dense weights in 128x128 blocks,
+# power-of-two (UE8M0) scales, activations quantized per use.
+RELEASE_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+
+# TINY_CONFIG with every side of a quantized weight a multiple of 128 (whole FP8 blocks), still small
+# enough that a CPU server starts in seconds.
+QUANTIZED_TINY_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "hidden_size": 128,
+    "head_dim": 128,
+    "q_lora_rank": 128,
+    "o_lora_rank": 128,
+    "moe_intermediate_size": 256,  # whole FP8 blocks of the shared expert at --tp 2
+    "quantization_config": RELEASE_QUANTIZATION,
+}
+
 # Standard deviation of the output head relative to 1/sqrt(hidden): large enough that the
 # top-1 logit stands well clear of the second on most steps.
 HEAD_GAIN = 6.0
@@ -96,6 +126,45 @@ def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, 
     raw = dict(TINY_CONFIG if config is None else config)
     model = random_model(raw, seed=seed)
     save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    checkpoint_tokenizer(raw["vocab_size"]).save_pretrained(out)
+    return out
+
+
+def build_quantized_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> Path:
+    """Write a random checkpoint in the release's quantized format to ``out_dir``; return it.
+
+    The weights the release stores as FP8 or FP4 (:func:`~.model.weight_layout.checkpoint_tensors`
+    with ``quantized=True``) are written quantized under their release names, each with its
+    ``.scale``; the rest as :func:`build_checkpoint` writes them.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = dict(QUANTIZED_TINY_CONFIG if config is None else config)
+    tensors = release_state_dict(random_model(raw, seed=seed))
+    quantize = {Format.FP8: quantize_fp8, Format.FP4: quantize_fp4}
+    for spec in checkpoint_tensors(parse_config(raw), quantized=True):
+        if spec.format in quantize:
+            stem = spec.name.removesuffix(".weight")
+            tensors[spec.name], tensors[f"{stem}.scale"] = quantize[spec.format](tensors[spec.name])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    checkpoint_tokenizer(raw["vocab_size"]).save_pretrained(out)
+    return out
+
+
+def dequantized_twin(quantized_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the checkpoint at ``quantized_dir`` with every quantized weight dequantized to float32 (exactly:
+    the scales are powers of two) and no ``quantization_config``, to ``out_dir``; return it."""
+    source, out = Path(quantized_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(source / "model.safetensors")
+    for name in [name for name in tensors if scale_stem(name) is not None]:
+        stem = scale_stem(name)
+        tensors[f"{stem}.weight"] = dequantize(tensors[f"{stem}.weight"], tensors.pop(name), stem)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((source / "config.json").read_text())
+    raw.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     checkpoint_tokenizer(raw["vocab_size"]).save_pretrained(out)
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_dsv4 import load_model
-from sglang_dsv4.tiny import build_checkpoint
+from sglang_dsv4.tiny import build_checkpoint, build_quantized_checkpoint, dequantized_twin
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +20,18 @@ def seeded_torch() -> None:
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint in the release's quantized format: FP8 dense projections, FP4 routed experts."""
+    return build_quantized_checkpoint(tmp_path_factory.mktemp("quantized-tiny"))
+
+
+@pytest.fixture(scope="session")
+def twin_path(quantized_tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quantized tiny checkpoint with every weight dequantized to float32 (the same values)."""
+    return dequantized_twin(quantized_tiny_path, tmp_path_factory.mktemp("dequantized-twin"))
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,16 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import random_ids
 from safetensors.torch import load_file
 
-from sglang_dsv4 import load_config
+from sglang_dsv4 import load_config, load_model
 from sglang_dsv4.chat_template import DSML, SPECIAL_TOKENS, TOOLS_CLOSING
-from sglang_dsv4.tiny import build_checkpoint
+from sglang_dsv4.model.block_formats import FP4_BLOCK, FP8_BLOCK
+from sglang_dsv4.model.loader import release_state_dict
+from sglang_dsv4.model.weight_layout import Format, checkpoint_tensors
+from sglang_dsv4.tiny import RELEASE_QUANTIZATION, build_checkpoint, random_model
 
 
 def digest(path) -> dict[str, str]:
@@ -162,3 +166,40 @@ def test_tool_call_arguments_given_as_a_string_are_refused(tiny_path):
     messages = [{"role": "user", "content": "ls"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     with pytest.raises(Exception, match="arguments must be a JSON object"):
         AutoTokenizer.from_pretrained(tiny_path).apply_chat_template(messages, tokenize=False)
+
+
+def test_quantized_checkpoint_stores_the_release_formats_in_whole_blocks(quantized_tiny_path):
+    raw = json.loads((quantized_tiny_path / "config.json").read_text())
+    assert raw["quantization_config"] == RELEASE_QUANTIZATION
+    tensors = load_file(quantized_tiny_path / "model.safetensors")
+    specs = checkpoint_tensors(load_config(quantized_tiny_path), quantized=True)
+    assert {spec.format for spec in specs} >= {Format.FP8, Format.FP4}
+    for spec in specs:
+        weight, scale = tensors[spec.name], tensors.get(spec.name.removesuffix(".weight") + ".scale")
+        rows, cols = spec.shape if len(spec.shape) == 2 else (1, spec.shape[0])
+        if spec.format is Format.FP8:
+            assert rows % FP8_BLOCK == 0 and cols % FP8_BLOCK == 0, spec.name
+            assert weight.dtype == torch.float8_e4m3fn and weight.shape == spec.shape, spec.name
+            assert scale.dtype == torch.float32 and scale.shape == (rows // FP8_BLOCK, cols // FP8_BLOCK), spec.name
+        elif spec.format is Format.FP4:
+            assert weight.dtype == torch.int8 and weight.shape == (rows, cols // 2), spec.name
+            assert scale.dtype == torch.float8_e8m0fnu and scale.shape == (rows, cols // FP4_BLOCK), spec.name
+        else:
+            assert scale is None and weight.shape == spec.shape, spec.name
+    assert len(tensors) == len(specs) + sum(spec.format in (Format.FP8, Format.FP4) for spec in specs)
+
+
+def test_dequantized_twin_is_the_quantized_model_and_near_the_unquantized_one(quantized_tiny_path, twin_path):
+    twin = load_file(twin_path / "model.safetensors")
+    assert "quantization_config" not in json.loads((twin_path / "config.json").read_text())
+    assert all(tensor.dtype in (torch.float32, torch.int64) for tensor in twin.values())
+    ids = random_ids(200, load_config(twin_path).vocab_size, seed=41)
+    quantized, dequantized = load_model(quantized_tiny_path), load_model(twin_path)
+    assert torch.equal(quantized(ids, quantized.new_state()), dequantized(ids, dequantized.new_state()))
+    # The same seed unquantized: the twin differs from it by the quantization's rounding only.
+    original = random_model(json.loads((quantized_tiny_path / "config.json").read_text()), seed=0)
+    assert any(not torch.equal(twin[name], tensor) for name, tensor in release_state_dict(original).items())
+    for name, tensor in release_state_dict(original).items():
+        error = (twin[name] - tensor).abs().max() / tensor.abs().max()
+        # FP4: off by at most a block's scale, a third of its largest value at most; FP8: e4m3's 2^-4.
+        assert error <= (1 / 3 if ".ffn.experts." in name else 2**-4), name

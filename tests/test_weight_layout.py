@@ -45,6 +45,9 @@ def test_release_formats_put_routed_experts_in_fp4_and_dense_projections_in_fp8(
     assert specs["layers.5.ffn.experts.7.w2.weight"].bytes_on_rank(Parallelism(), 2) == 4096 * 2048 // 2 + 4096 * 64
     # 2048 x 4096 FP8 values and a float32 scale per 128 x 128 block.
     assert specs["layers.5.ffn.shared_experts.w1.weight"].bytes_on_rank(Parallelism(), 2) == 2048 * 4096 + 16 * 32 * 4
+    # Stored FP8, held in the model dtype: the grouped output projection reads it directly.
+    wo_a = specs["layers.5.attn.wo_a.weight"]
+    assert wo_a.format is Format.FP8 and wo_a.bytes_on_rank(Parallelism(), 2) == 2 * math.prod(wo_a.shape)
 
 
 def test_tensor_parallel_ranks_split_heads_and_vocabulary_and_replicate_the_kv_head():

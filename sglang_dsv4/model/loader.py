@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -28,14 +28,13 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import load_config
+from .block_formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4, dequantize_fp8
 from .network import DeepseekV4
 
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = 128
-FP4_BLOCK = 32
-# OCP MX e2m1 code points: sign bit 3, then the magnitude table.
-_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+SCALE_SUFFIX = ".weight_scale_inv"  # SGLang's name for a block-quantized weight's scales
+_EXPERT_SCALE = "_scale_inv"  # parameter_name's mark on an expert's scales: layers.N.ffn.experts.w1_scale_inv
 
 
 class CheckpointError(ValueError):
@@ -108,9 +107,15 @@ def read_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 @runtime_checkable
 class LoadsExperts(Protocol):
-    """A module that places its layer's routed experts itself (the served model's ``FusedMoE``)."""
+    """A module that places its layer's routed experts itself (the served model's ``FusedMoE``).
 
-    def load(self, expert: int, projection: str, tensor: torch.Tensor) -> None: ...
+    ``quantized``: it holds them as the checkpoint stores them (packed FP4 and their scales), so
+    they reach it as stored, each scale with ``scale=True``, rather than dequantized.
+    """
+
+    quantized: bool
+
+    def load(self, expert: int, projection: str, tensor: torch.Tensor, *, scale: bool = False) -> None: ...
 
 
 def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype) -> None:
@@ -118,17 +123,20 @@ def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]],
 
     Each tensor is placed (a routed expert into its slice of the stacked weights, or handed to
     the layer's :class:`LoadsExperts`) before the next is read, so loading holds one tensor
-    beyond the model, and a quantized weight until its scales arrive. What did not match is
-    raised at the end, every tensor named.
+    beyond the model, and a quantized weight until its scales arrive. A quantized weight whose
+    module holds it quantized (SGLang's quantized layers) is placed as stored, its scale beside it;
+    any other is dequantized. What did not match is raised at the end, every tensor named.
     """
     params, expert_loaders = _parameters(model), _expert_loaders(model)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    for name, tensor in _dequantized(_release_tensors(tensors)):
+    stored = _stored_or_dequantized(_release_tensors(tensors), _holds_quantized(params, expert_loaders))
+    for name, tensor in stored:
         seen.append((name, tuple(tensor.shape)))
         target, expert = parameter_name(name)
         owner, _, projection = target.rpartition(".")
         if expert is not None and owner in expert_loaders:
-            expert_loaders[owner].load(expert, projection, tensor)
+            scale = projection.endswith(_EXPERT_SCALE)
+            expert_loaders[owner].load(expert, projection.removesuffix(_EXPERT_SCALE), tensor, scale=scale)
             continue
         param = params.get(target)
         if param is None:
@@ -142,6 +150,20 @@ def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]],
     problems = mismatches(model, seen)
     if problems:
         raise CheckpointError(f"checkpoint does not match the config:{problems}")
+
+
+def _holds_quantized(params: dict[str, torch.Tensor], expert_loaders: dict[str, LoadsExperts]) -> Callable[[str], bool]:
+    """Whether the module that weight ``X.weight`` (``X`` a release name) goes to holds it quantized: a
+    :class:`LoadsExperts` that says so, or a layer with an ``X.weight_scale_inv`` (SGLang's FP8 linear method)."""
+
+    def holds_quantized(stem: str) -> bool:
+        target, expert = parameter_name(f"{stem}.weight")
+        if expert is not None:
+            loader = expert_loaders.get(target.rpartition(".")[0])
+            return loader is not None and loader.quantized
+        return f"{stem}{SCALE_SUFFIX}" in params
+
+    return holds_quantized
 
 
 def mismatches(model: DeepseekV4, tensors: Iterable[tuple[str, tuple[int, ...]]]) -> str:
@@ -228,22 +250,32 @@ def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
 
 def scale_stem(name: str) -> str | None:
     """``X`` for a block-scale tensor ``X.scale`` (or ``X.weight_scale_inv``), else None."""
-    for suffix in (".scale", ".weight_scale_inv"):
+    for suffix in (".scale", SCALE_SUFFIX):
         if name.endswith(suffix):
             return name.removesuffix(suffix)
     return None
 
 
-def _dequantized(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pair each quantized ``X.weight`` with its ``X.scale`` and yield it dequantized as soon as both are in."""
+def _stored_or_dequantized(
+    tensors: Iterable[tuple[str, torch.Tensor]], kept_quantized: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Quantized weights and their scales as stored (the scale as ``X.weight_scale_inv``) where
+    ``kept_quantized(X)``; elsewhere each ``X.weight`` paired with its ``X.scale`` and yielded
+    dequantized as soon as both are in."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         stem = scale_stem(name)
         if stem is not None:
+            if kept_quantized(stem):
+                yield f"{stem}{SCALE_SUFFIX}", tensor
+                continue
             scales[stem] = tensor
         elif name.endswith(".weight") and is_quantized_dtype(tensor.dtype):
             stem = name.removesuffix(".weight")
+            if kept_quantized(stem):
+                yield name, packed_as_int8(tensor)
+                continue
             weights[stem] = tensor
         else:
             yield name, tensor
@@ -254,6 +286,11 @@ def _dequantized(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
         raise CheckpointError(f"{stem}: block scale without a quantized weight")
     for stem, weight in weights.items():
         raise CheckpointError(f"{stem}.weight is {weight.dtype} but has no '.scale' block scales")
+
+
+def packed_as_int8(weight: torch.Tensor) -> torch.Tensor:
+    """A packed FP4 weight (stored as int8, uint8 or float4_e2m1fn_x2) as the int8 bytes SGLang holds; FP8 as is."""
+    return weight if weight.dtype == torch.float8_e4m3fn else weight.view(torch.int8)
 
 
 def is_quantized_dtype(dtype: torch.dtype) -> bool:
@@ -282,30 +319,18 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") 
     Scales may be UE8M0 (``float8_e8m0fnu``, powers of two) or plain floats.
     """
     expected_scale_shape(weight.dtype, tuple(weight.shape), tuple(scale.shape), name)
-    scale = scale.float()
     if weight.dtype == torch.float8_e4m3fn:
-        values, block = weight.float(), (FP8_BLOCK, FP8_BLOCK)
-    else:
-        values, block = _unpack_e2m1(weight), (1, FP4_BLOCK)
-    rows, cols = values.shape
-    expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return values * expanded
-
-
-def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """Two e2m1 values per byte, the even element in the low nibble (OCP MX layout)."""
-    codes = packed.view(torch.uint8)
-    low, high = codes & 0x0F, codes >> 4
-    values = _E2M1_VALUES[torch.stack([low, high], dim=-1).long()]
-    return values.flatten(-2)
+        return dequantize_fp8(weight, scale)
+    return dequantize_fp4(weight, scale)
 
 
 def parameter_name(release: str) -> tuple[str, int | None]:
-    """This package's parameter name for a release name, and the expert index if stacked."""
-    expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight", release)
+    """This package's parameter name for a release name, and the expert index if stacked (an expert's
+    ``weight_scale_inv`` under ``layers.N.ffn.experts.wI_scale_inv``)."""
+    expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale_inv)?", release)
     if expert is not None:
-        prefix, index, which = expert.groups()
-        return f"{prefix}.{which}", int(index)
+        prefix, index, which, scale = expert.groups()
+        return f"{prefix}.{which}{scale or ''}", int(index)
     return re.sub(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$", r"\1hc_\2.\3", release), None
 
 

@@ -21,6 +21,8 @@ Formats are the release checkpoint's (V4-Flash / V4-Pro): FP8 E4M3 dense project
 one float32 scale per 128 x 128 block, FP4 e2m1 routed experts (two values a byte) with one
 power-of-two byte per 32 inputs, the rest in the model's dtype. Unquantized (``quantized=
 False``), every floating tensor is in the model's dtype, as the tiny checkpoint stores them.
+A rank holds each tensor as stored except ``wo_a``, which the grouped output projection reads
+directly (not through a linear method) and so holds dequantized in the model's dtype.
 
 The weight ledger (:mod:`sglang_dsv4.memory_pool.ledger`) sums these per rank.
 """
@@ -68,15 +70,18 @@ class TensorSpec:
     split: Split
     # What the split dimension is cut into: whole query heads, output groups, rows.
     unit: tuple[int, str] = (1, "rows")
+    # How a rank holds it, where that is not as stored (dequantized at load).
+    resident: Format | None = None
 
     def bytes_on_rank(self, parallel: Parallelism, dtype_bytes: int) -> int:
         """Resident bytes of this tensor (and its scales) on one rank."""
         rows, columns = self.local_shape(parallel)
-        if self.format is Format.FP8:
+        held = self.resident or self.format
+        if held is Format.FP8:
             return rows * columns + math.ceil(rows / FP8_BLOCK) * math.ceil(columns / FP8_BLOCK) * FP8_SCALE_BYTES
-        if self.format is Format.FP4:
+        if held is Format.FP4:
             return rows * columns // 2 + rows * math.ceil(columns / FP4_BLOCK) * FP4_SCALE_BYTES
-        element = INDEX_BYTES if self.format is Format.INDEX else dtype_bytes
+        element = INDEX_BYTES if held is Format.INDEX else dtype_bytes
         return rows * columns * element
 
     def local_shape(self, parallel: Parallelism) -> tuple[int, int]:
@@ -159,6 +164,9 @@ def _attention(config: DeepseekV4Config, prefix: str, dense: Format) -> list[Ten
             dense,
             Split.ROWS,
             (o_rank, "output groups"),
+            # Read by the grouped output projection's einsum, not through a linear method: held in the model
+            # dtype (as upstream does without its FP8 einsum).
+            resident=Format.MODEL,
         ),
         TensorSpec(
             f"{prefix}.attn.wo_b.weight", (hidden, groups * o_rank), dense, Split.COLUMNS, (o_rank, "output groups")

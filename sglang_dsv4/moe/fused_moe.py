@@ -60,10 +60,17 @@ class FusedRoutedExperts(nn.Module):
         routing = StandardTopKOutput(topk_weights=weights.float(), topk_ids=physical.int(), router_logits=no_logits)
         return self.fused(x, routing)
 
-    def load(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Checkpoint tensor ``experts.{expert}.{projection}.weight``, into every slot that holds the expert."""
-        param = self.fused.w2_weight if projection == "w2" else self.fused.w13_weight
-        self.fused.weight_loader(param, tensor, f"experts.{expert}.{projection}.weight", SHARDS[projection], expert)
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are held as the checkpoint stores them, with block scales (FP4 experts)."""
+        return hasattr(self.fused, "w13_weight_scale_inv")
+
+    def load(self, expert: int, projection: str, tensor: torch.Tensor, *, scale: bool = False) -> None:
+        """Checkpoint tensor ``experts.{expert}.{projection}.weight`` (or its block ``scale``), into every slot
+        that holds the expert."""
+        name = "weight_scale_inv" if scale else "weight"
+        param = getattr(self.fused, f"{'w2' if projection == 'w2' else 'w13'}_{name}")
+        self.fused.weight_loader(param, tensor, f"experts.{expert}.{projection}.{name}", SHARDS[projection], expert)
 
 
 def grouped_cpu_forward(method: UnquantizedFusedMoEMethod, layer: nn.Module, dispatch_output) -> StandardCombineInput:

@@ -82,7 +82,9 @@ _CALLS = (
 CHAT_TEMPLATE = (
     "{%- set nl = '\n' -%}"
     "{%- set tools_preamble = " + repr(TOOLS_PREAMBLE).replace("\\n", "\n") + " -%}"
-    "{%- set tools_closing = " + repr(TOOLS_CLOSING).replace("\\n", "\n") + " -%}" + _TOOLS + "{{ bos_token }}"
+    "{%- set tools_closing = " + repr(TOOLS_CLOSING).replace("\\n", "\n") + " -%}"
+    + _TOOLS
+    + "{{ bos_token }}"
     "{%- set ns = namespace(previous='',"
     " tools_pending=tools is defined and tools is not none and tools | length > 0) -%}"
     "{%- for message in messages -%}"

@@ -170,3 +170,5 @@ def _inverse_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos + odd * sin, odd * cos - even * sin), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+

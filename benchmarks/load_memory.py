@@ -143,7 +143,7 @@ def served_peaks(checkpoint: Path, log: Path, *args: str) -> tuple[list[int], li
     with running_server(checkpoint, *extra, log_path=log) as url:
         port = url.rsplit(":", 1)[1]
         server = next(p for p in psutil.process_iter(["cmdline"]) if port in " ".join(p.info["cmdline"] or []))
-        ranks = sorted((c for c in server.children(recursive=True) if "TP" in c.name()), key=lambda c: c.name())
+        ranks = sorted((c for c in server.children(recursive=True) if "scheduler" in c.name()), key=lambda c: c.name())
         peaks = [_vm_hwm(rank.pid) for rank in ranks]
         info = requests.get(f"{url}/server_info", timeout=120).json()["internal_states"][0]
         return peaks, info["dsv4_weights"]["resident_bytes_per_rank"]
@@ -170,7 +170,7 @@ def main() -> None:
     print("\nreaders alone (every tensor read and dropped; peak RSS above the process's start):")
     for kind in ("sglang", "ours"):
         peak = reader_peak(kind, checkpoint)
-        print(f"  {kind:7s} {peak / GIB:6.2f} GiB = {peak / largest:5.2f} x the largest shard")
+        print(f"  {kind:7s} {peak / GIB:6.2f} GiB = {peak / largest:5.2f} x the largest shard", flush=True)
     config = parse_config(flash_two_layers())
     print("\nserved (bf16; peak RSS of each scheduler process, its resident weights, the ledger's):")
     for name, tp, ep in (("--tp 1", 1, 1), ("--tp 2 --ep-size 2", 2, 2)):
@@ -180,7 +180,7 @@ def main() -> None:
         for rank, (peak, held) in enumerate(zip(peaks, resident)):
             print(f"  {name:18s} rank {rank}: peak {peak / GIB:6.2f} GiB, resident {held / GIB:6.2f} GiB "
                   f"(ledger {ledger / GIB:6.2f} GiB), peak - resident {(peak - held) / GIB:5.2f} GiB "
-                  f"= {(peak - held) / largest:4.2f} x the largest shard")  # fmt: skip
+                  f"= {(peak - held) / largest:4.2f} x the largest shard", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -139,7 +139,16 @@ def served_peaks(checkpoint: Path, log: Path, *args: str) -> tuple[list[int], li
 
     from sglang_dsv4.launch import running_server
 
-    extra = ("--dtype", "bfloat16", "--max-running-requests", "4", "--skip-tokenizer-init", *args)
+    # No warm-up request: the peak is the load's, not a first forward's (whose dequantized experts are its own).
+    extra = (
+        "--dtype",
+        "bfloat16",
+        "--max-running-requests",
+        "4",
+        "--skip-tokenizer-init",
+        "--skip-server-warmup",
+        *args,
+    )
     with running_server(checkpoint, *extra, log_path=log) as url:
         port = url.rsplit(":", 1)[1]
         server = next(p for p in psutil.process_iter(["cmdline"]) if port in " ".join(p.info["cmdline"] or []))

@@ -14,11 +14,15 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
 3. replays it on new inputs (other hidden states) and checks the output and every row it wrote
    bitwise equal to the same step run eagerly from the same pool state;
 4. times, each as a replayed graph: the whole step; the decode index build alone (once per
-   forward in serving, shared by every layer); the projections alone (query, KV, output,
-   compressor and indexer projections) against their weight-bytes floor; the attention core
-   alone (the indexer's top-k and the sparse softmax over window, entries and sink, on
-   selections staged from the step) against its KV-bytes floor;
-5. at batch 64 and 8K, times the per-request path in the same run: the network's
+   forward in serving, shared by every layer); the layer's step without it (what each layer
+   adds to a forward); the projections alone (query, KV, output, compressor and indexer
+   projections) against their weight-bytes floor; the attention core alone (the indexer's
+   top-k and the sparse softmax over window, entries and sink, on selections staged from the
+   step) against its KV-bytes floor;
+5. side by side, the versions the batched core chose between: the layer's compressors (and its
+   indexer's) through the Triton decode kernel and through the batched torch pools it replaced;
+   for ratio-4 layers, the Triton top-k and ``torch.topk`` on scores of the step's width;
+6. at batch 64 and 8K, times the per-request path in the same run: the network's
    ``Attention`` request by request on per-request state (what the reference backend runs,
    without its pool gathers, so an upper bound on its speed).
 
@@ -41,6 +45,7 @@ import torch
 
 from sglang_dsv4.attention_backend import batched
 from sglang_dsv4.config import DeepseekV4Config, named_config
+from sglang_dsv4.kernels import topk
 from sglang_dsv4.kernels.dispatch import sparse_attention
 from sglang_dsv4.kernels.selection import KVSelection
 from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
@@ -135,9 +140,44 @@ class DecodeStep:
         self.x = torch.randn(batch, config.hidden_size, device=DEVICE, dtype=DTYPE)
 
     def __call__(self) -> torch.Tensor:
-        index = self.graph_index.build(self.rows, self.seq_lens)
-        out = batched.attend(self.attention, self.layer, self.x, index, self.pools)
-        return self.attention.project_out(out)
+        return self.layer_step(self.graph_index.build(self.rows, self.seq_lens))
+
+    def layer_step(self, index: batched.ForwardIndex) -> torch.Tensor:
+        """The step's part each layer runs: attention and the output projection, over a built index."""
+        return self.attention.project_out(batched.attend(self.attention, self.layer, self.x, index, self.pools))
+
+
+class Compressors:
+    """The step's compressor advances alone (the layer's and its indexer's), through ``advance``:
+    ``batched._advance_one_token_each`` (the Triton decode kernel) or ``batched._advance_pooled`` (torch)."""
+
+    def __init__(self, step: DecodeStep, advance):
+        self.step, self.advance = step, advance
+        self.index = step.graph_index.build(step.rows, step.seq_lens)
+        attention, layer = step.attention, step.layer
+        self.jobs = [(attention.compressor, (layer, "entries"), (layer, "compressor"))]
+        if attention.indexer is not None:
+            self.jobs.append((attention.indexer.compressor, (layer, "indexer_keys"), (layer, "indexer")))
+
+    def __call__(self) -> None:
+        for compressor, entries, records in self.jobs:
+            pools = self.step.pools
+            self.advance(
+                compressor, self.step.x, self.index, pools.compressed[entries], batched._records(pools, records)
+            )
+
+
+def top_k_pair_us(config: DeepseekV4Config, step: DecodeStep, context: int, timer: Timer) -> tuple[float, float]:
+    """The Triton top-k and ``torch.topk`` (``topk.top_k_reference``) on random scores of the step's
+    shape: one row per request, the ratio-4 table's width, ``context / 4`` of them visible."""
+    width = step.pools.entry_table[config.csa_rate].shape[1]
+    scores = torch.randn(step.rows.shape[0], width, device=DEVICE)
+    lengths = torch.full((step.rows.shape[0],), context // config.csa_rate, dtype=torch.int32, device=DEVICE)
+    k = config.index_topk
+    return (
+        timer.graph_us(partial(topk.top_k, scores, lengths, k)),
+        timer.graph_us(partial(topk.top_k_reference, scores, lengths, k)),
+    )
 
 
 def capture(run) -> torch.cuda.CUDAGraph:
@@ -282,6 +322,12 @@ def bench(model: str, kind: str, batch: int, context: int, timer: Timer, ceiling
     del graph
     # Once per forward in serving (every layer reads the same index); here inside each layer's step.
     row["index_us"] = timer.graph_us(partial(step.graph_index.build, step.rows, step.seq_lens))
+    row["layer_us"] = timer.graph_us(partial(step.layer_step, step.graph_index.build(step.rows, step.seq_lens)))
+    if attention.compressor is not None:
+        row["compressors_us"] = timer.graph_us(Compressors(step, batched._advance_one_token_each))
+        row["compressors_torch_us"] = timer.graph_us(Compressors(step, batched._advance_pooled))
+    if attention.indexer is not None:
+        row["topk_triton_us"], row["topk_torch_us"] = top_k_pair_us(config, step, context, timer)
     positions = torch.full((batch,), context - 1, device=DEVICE)
     row["projections_us"] = timer.graph_us(Projections(step, positions))
     row["projections_floor_us"], row["projections_bound"] = floor_us(
@@ -307,11 +353,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 8 and 64 at 8K only")
     parser.add_argument("--models", default="flash,pro")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--tag", default="", help="a suffix of the JSON file's name")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     args = parser.parse_args()
     timer = Timer(budget_ms=150)
     ceilings = measure_ceilings(timer)
     print(json.dumps(ceilings), flush=True)
-    batches, contexts = ((8, 64), (8192,)) if args.quick else (BATCHES, CONTEXTS)
+    batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+    if args.quick:
+        batches, contexts = (8, 64), (8192,)
     rows = []
     for model in args.models.split(","):
         for context in contexts:
@@ -322,7 +373,7 @@ def main() -> None:
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.mkdir(parents=True, exist_ok=True)
                         result = {"ceilings": ceilings, "rows": rows}
-                        (args.out / "engine_step.json").write_text(json.dumps(result, indent=1))
+                        (args.out / f"engine_step{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
 def kinds_of(config: DeepseekV4Config, asked: list[str]) -> list[str]:

@@ -200,3 +200,55 @@ def test_chunks_without_tokens_are_refused(kernel):
         kernel.compress_extend(
             empty, empty, [4], [0], torch.zeros(1, 3, 3, DIM), torch.zeros(1), weights_of(kernel, compressor)
         )
+
+
+@interpreted_only
+@pytest.mark.parametrize("ratio,overlapping", KINDS)
+def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, monkeypatch, ratio, overlapping):
+    """The batched core's decode step on CUDA (``batched._advance_one_token_each``) writes what its torch
+    path (``batched._advance_pooled``) writes: entry rows, states, the records one step back, snapshots.
+
+    Requests sit at every kind of position (the first token, inside a block, a block's last token, the
+    first after one), two padded rows decode position 0 of row 0, some rows take a snapshot; the
+    state's pools their position says are empty are NaN, and the kernel's outputs start as NaN.
+    """
+    import types
+
+    from sglang_dsv4.attention_backend import batched
+
+    compressor = random_compressor(ratio, overlapping, torch.float32, seed=40 + ratio)
+    request_rows, blocks, pools = 9, 8, 3 if overlapping else 1
+    rows = torch.tensor([3, 8, 7, 6, 1, 5, 2, 0, 0])
+    positions = torch.tensor([1, ratio - 1, 0, ratio, 2 * ratio - 1, 5 * ratio + 3, 7 * ratio - 1, 0, 0])
+    snapshot_records = torch.tensor([2, 0, 0, 1, 3, 0, 4, 0, 0])
+    tables = types.SimpleNamespace(
+        window_table=torch.arange(request_rows * 8 * ratio).view(request_rows, 8 * ratio),
+        entry_table={ratio: 1 + torch.arange(request_rows * blocks).view(request_rows, blocks)},
+    )
+    config = types.SimpleNamespace(sliding_window=8, csa_rate=4)
+    index = batched.build_decode_index(rows, positions + 1, snapshot_records, tables, config)
+    state = torch.randn(request_rows, pools, 3, DIM)
+    for row, position in zip(rows.tolist(), positions.tolist(), strict=True):
+        if position % ratio == 0:
+            state[row, :2] = float("nan")  # the partial block (both halves)
+        if overlapping and position < ratio:
+            state[row, 2] = float("nan")  # the block before
+    fresh = {"state": state, "previous": torch.randn_like(state), "checkpoint": torch.randn(5, pools, 3, DIM)}
+    torch_side = {name: tensor.clone() for name, tensor in fresh.items()}
+    entries = torch.randn(1 + request_rows * blocks, DIM)
+    torch_entries = entries.clone()
+    x = torch.randn(len(rows), HIDDEN)
+    with torch.no_grad():
+        batched._advance_pooled(compressor, x, index, torch_entries, batched._StateRecords(**torch_side))
+        poison_allocations(monkeypatch)
+        batched._advance_one_token_each(compressor, x, index, entries, batched._StateRecords(**fresh))
+
+    def same(actual: torch.Tensor, expected: torch.Tensor, what: str, equal_nan: bool = False) -> None:
+        assert equal_nan or not torch.isnan(actual).any(), f"{what}: NaN (a poisoned pool read, or unwritten)"
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=equal_nan, msg=what)
+
+    same(entries[1:], torch_entries[1:], "entry rows")  # row 0: the padding entry
+    same(fresh["state"][1:], torch_side["state"][1:], "states")
+    real = rows[rows > 0]
+    same(fresh["previous"][real], torch_side["previous"][real], "records one step back", equal_nan=True)
+    same(fresh["checkpoint"][1:], torch_side["checkpoint"][1:], "snapshots")

@@ -182,14 +182,23 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
 
 
 @interpreted_only
-@pytest.mark.parametrize("rows,k", [(7, 6), (300, 4)])  # one row tile, and two (the second partial)
-def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(rows, k, poisoned):
+# One row tile, and two (the second partial); each tile's top-k by torch.topk, or (forced) by the Triton top-k.
+@pytest.mark.parametrize("rows,k,triton_top_k", [(7, 6, False), (300, 4, False), (7, 6, True)])
+def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
+    indexer, monkeypatch, rows, k, triton_top_k, poisoned
+):
     from sglang_dsv4.kernels import sparse_torch
     from sglang_dsv4.kernels.dispatch import index_top_k_triton
 
+    if triton_top_k:
+        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
+        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+
     heads, dim, pool_rows, blocks = 8, 32, 100, 37
     torch.manual_seed(rows)
-    keys, table = torch.randn(pool_rows, dim), torch.randint(0, pool_rows, (3, blocks))
+    # Distinct pool rows within a table row: no equal scores, whose order at the k-th place is not set.
+    keys = torch.randn(pool_rows, dim)
+    table = torch.stack([torch.randperm(pool_rows)[:blocks] for _ in range(3)])
     table_row = torch.randint(0, 3, (rows,))
     lengths = torch.randint(0, blocks + 1, (rows,)).int()
     lengths[:4] = torch.tensor([0, 1, k, blocks], dtype=torch.int32)  # empty, shorter than k, exactly k, full

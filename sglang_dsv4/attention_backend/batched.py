@@ -35,11 +35,12 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
-from ..kernels.dispatch import index_top_k, sparse_attention
+from ..kernels.dispatch import index_top_k, sparse_attention, uses_triton
 from ..kernels.selection import KVSelection
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
 from ..model.indexer import Indexer
+from ..model.kernel_calls import compressor_decode_kernel
 from ..model.rope import apply_rope
 
 
@@ -154,6 +155,7 @@ class ForwardIndex:
     compressors: dict[int, CompressorTargets]
     entries: dict[int, EntryReads]
     tile_owners: list[int]  # host values: per ROW_TILE tokens, the request owning them all, or -1
+    one_token_each: bool  # a decode forward: every request runs one token (its compressors' decode kernel applies)
 
     @property
     def tokens(self) -> int:
@@ -190,9 +192,8 @@ def build_index(
         )
         for r in tables.entry_table
     }
-    index = _index(
-        batch, tables, config, sizes, _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
-    )
+    owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
+    index = _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode)
     return _to_device(index, torch.device(device))
 
 
@@ -223,7 +224,7 @@ def build_decode_index(
     )
     sizes = {r: _Sizes(touched=requests, width=1, blocks=table.shape[1]) for r, table in tables.entry_table.items()}
     # Token i is request i: only a tile of one token has an owner.
-    return _index(batch, tables, config, sizes, _tile_owners(list(range(requests))))
+    return _index(batch, tables, config, sizes, _tile_owners(list(range(requests))), one_token_each=True)
 
 
 class PendingCheckpoint(Protocol):
@@ -338,6 +339,8 @@ def _index(
     config: DeepseekV4Config,
     sizes: dict[int, _Sizes],
     tile_owners: list[int],
+    *,
+    one_token_each: bool,
 ) -> ForwardIndex:
     ratios = sorted(tables.entry_table)
     return ForwardIndex(
@@ -349,6 +352,7 @@ def _index(
         compressors={r: _compressor_targets(batch, tables.entry_table[r], r, sizes[r]) for r in ratios},
         entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
         tile_owners=tile_owners,
+        one_token_each=one_token_each,
     )
 
 
@@ -512,9 +516,33 @@ def _advance(
 ) -> None:
     """Run the compressor over the forward: entry rows of complete blocks, new states, snapshots.
 
-    The same pools as :meth:`~sglang_dsv4.model.compressor.Compressor.pool_reference`, for every
-    block the forward touches at once (see :class:`CompressorTargets`).
+    A decode forward on CUDA runs the Triton decode kernel (:func:`_advance_one_token_each`); every
+    other forward, and the CPU, the batched torch pools (:func:`_advance_pooled`, the kernel's reference).
     """
+    if index.one_token_each and uses_triton(x):
+        _advance_one_token_each(compressor, x, index, entries, records)
+    else:
+        _advance_pooled(compressor, x, index, entries, records)
+
+
+def _advance_one_token_each(
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: torch.Tensor, records: _StateRecords
+) -> None:
+    """:func:`_advance` of a decode forward through the compressor's decode kernel, which advances the
+    state records in place: the record one step back is saved before it, the snapshot (the state after
+    the token, the only position a decode row can take one at) copied after it."""
+    targets = index.compressors[compressor.ratio]
+    records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
+    new_entries = compressor_decode_kernel(compressor, x, index.positions, records.state, index.rows)
+    entries.index_copy_(0, targets.entry_rows, new_entries.to(entries.dtype))
+    records.checkpoint.index_copy_(0, targets.snapshot_records, records.state[index.rows])
+
+
+def _advance_pooled(
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: torch.Tensor, records: _StateRecords
+) -> None:
+    """:func:`_advance` in torch: the same pools as :meth:`~sglang_dsv4.model.compressor.Compressor.pool_reference`,
+    for every block the forward touches at once (see :class:`CompressorTargets`)."""
     targets = index.compressors[compressor.ratio]
     dim, touched = compressor.dim, targets.touched
     kv, gate = compressor.wkv(x), compressor.wgate(x)

@@ -57,8 +57,9 @@ def index_top_k(
     scale: float,
     tile_owners: list[int],
 ) -> torch.Tensor:
-    """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, best first, then ``-1``
-    (:func:`.sparse_torch.streamed_top_k`, whose arguments these are)."""
+    """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, then ``-1``
+    (:func:`.sparse_torch.streamed_top_k`, whose arguments these are). The slots come best first
+    except from the Triton top-k, whose order is not set: callers use them as a set."""
     if uses_triton(q):
         return index_top_k_triton(q, head_weights, keys, table, table_row, lengths, k, scale=scale)
     return sparse_torch.streamed_top_k(
@@ -78,16 +79,16 @@ def index_top_k_triton(
     scale: float,
 ) -> torch.Tensor:
     """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
-    ``torch.topk`` (sorted: best first), which beats the Triton top-k below 128K keys (benchmarks/RESULTS.md)."""
-    from .indexer import index_scores
-    from .topk import top_k_reference
+    the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: the Triton top-k where it
+    measured faster than ``torch.topk``, benchmarks/RESULTS.md)."""
+    from .indexer import exact_top_k, index_scores
 
     weights, chosen = head_weights.float().contiguous(), []
     for first in range(0, q.shape[0], INDEX_ROW_TILE):
         tile = slice(first, first + INDEX_ROW_TILE)
         rows_table = table[table_row[tile]].to(torch.int32)
         scores = index_scores(q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table)
-        chosen.append(top_k_reference(scores, lengths[tile], k).long())
+        chosen.append(exact_top_k(scores, lengths[tile], k).long())
     return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
 
 

@@ -103,6 +103,15 @@ def select_entries(
 TRITON_TOP_K_MIN_ROWS, TRITON_TOP_K_MIN_WIDTH = 64, 1 << 17
 
 
+def exact_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``: the Triton
+    top-k (in no set order) from ``TRITON_TOP_K_MIN_ROWS`` rows of ``TRITON_TOP_K_MIN_WIDTH`` scores up,
+    ``torch.topk`` (best first) below. Both exact and graph-capturable; the choice reads shapes only."""
+    if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
+        return top_k(scores, lengths, k)
+    return top_k_reference(scores, lengths, k)
+
+
 def select_visible(
     q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int, *, scale: float
 ) -> torch.Tensor:
@@ -112,11 +121,7 @@ def select_visible(
     the blocks complete at its position).
     """
     lengths = visible.sum(-1, dtype=torch.int32)
-    scores = index_scores(q, head_weights, keys, lengths, scale=scale)
-    if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
-        chosen = top_k(scores, lengths, k)
-    else:
-        chosen = top_k_reference(scores, lengths, k)
+    chosen = exact_top_k(index_scores(q, head_weights, keys, lengths, scale=scale), lengths, k)
     hits = torch.zeros(visible.shape, dtype=torch.int32, device=visible.device)
     hits.scatter_add_(1, chosen.clamp(min=0).long(), (chosen >= 0).to(torch.int32))
     return (hits > 0) & visible

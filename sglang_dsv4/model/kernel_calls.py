@@ -74,17 +74,9 @@ def compressor_advance_kernel(compressor: Compressor, x: torch.Tensor, start: in
 
     pools = [state.current] if not compressor.overlapping else [state.current, state.next_half, state.previous_half]
     record = torch.stack([torch.stack([pool.max, pool.denom, pool.weighted]) for pool in pools])[None]
-    weights = kernel.CompressorWeights(
-        ape=compressor.ape,
-        norm_weight=compressor.norm.weight,
-        norm_eps=compressor.norm.eps,
-        inv_freq=compressor.rotary.inv_freq_on(x.device),
-        ratio=compressor.ratio,
-        overlapping=compressor.overlapping,
-    )
     rows = torch.zeros(1, dtype=torch.int32, device=x.device)
     entries = kernel.compress_extend(
-        compressor.wkv(x), compressor.wgate(x), [start], [x.shape[0]], record, rows, weights
+        compressor.wkv(x), compressor.wgate(x), [start], [x.shape[0]], record, rows, _compressor_weights(compressor, x)
     )
     updated = [SoftmaxPool(pool[0], pool[1], pool[2]) for pool in record[0]]
     state.current = updated[0]
@@ -92,6 +84,31 @@ def compressor_advance_kernel(compressor: Compressor, x: torch.Tensor, start: in
         state.next_half, state.previous_half = updated[1], updated[2]
     state.entries = torch.cat([state.entries, entries])
     return entries.shape[0]
+
+
+def compressor_decode_kernel(
+    compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, state: torch.Tensor, state_rows: torch.Tensor
+) -> torch.Tensor:
+    """One token per request (``x [requests, hidden]`` at ``positions``) through the Triton decode kernel:
+    advances records ``state_rows`` of ``state`` (the V4 pool's ``[rows, pools, 3, dim]``) in place and
+    returns each request's entry, zeros where its token does not complete a block. Graph-capturable."""
+    from ..kernels import compressor as kernel
+
+    weights = _compressor_weights(compressor, x)
+    return kernel.compress_decode(compressor.wkv(x), compressor.wgate(x), positions, state, state_rows, weights)
+
+
+def _compressor_weights(compressor: Compressor, x: torch.Tensor):
+    from ..kernels.compressor import CompressorWeights
+
+    return CompressorWeights(
+        ape=compressor.ape,
+        norm_weight=compressor.norm.weight,
+        norm_eps=compressor.norm.eps,
+        inv_freq=compressor.rotary.inv_freq_on(x.device),
+        ratio=compressor.ratio,
+        overlapping=compressor.overlapping,
+    )
 
 
 def _mixing_weights(hc: HyperConnection):

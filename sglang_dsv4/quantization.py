@@ -48,6 +48,10 @@ class Fp8DequantLinearMethod(Fp8LinearMethod):
         return F.linear(x, weight, bias)
 
 
+# FP4 experts dequantized together in a CPU forward (4 of V4-Flash's: 0.4 GB of float32).
+EXPERTS_PER_DEQUANTIZATION = 4
+
+
 class Fp4DequantMoEMethod(Fp8MoEMethod):
     """SGLang's FP4-expert weights (``w13_weight``, ``w2_weight`` packed e2m1 as int8, their
     ``*_weight_scale_inv`` one UE8M0 byte per 32 inputs), run by V4's grouped pass on their dequantization."""
@@ -109,14 +113,21 @@ def dequantized_grouped_experts(
     limit: float,
 ) -> torch.Tensor:
     """:func:`~.moe.experts.grouped_experts` over FP4 experts ``(packed, scales)``, of which only those some
-    ``(token, slot)`` pair routes to are dequantized (one host read of which they are); -1 adds nothing."""
-    routed = experts[experts >= 0].unique()
-    compact = torch.full((w13[0].shape[0],), -1, dtype=torch.long, device=experts.device)
-    compact[routed] = torch.arange(routed.numel(), device=experts.device)
-    local = torch.where(experts >= 0, compact[experts.clamp(min=0)], -1)
-    gate, up = dequantize_fp4(w13[0][routed], w13[1][routed]).to(x.dtype).chunk(2, dim=1)
-    down = dequantize_fp4(w2[0][routed], w2[1][routed]).to(x.dtype)
-    return grouped_experts(x, weights, local, gate, down, up, limit)
+    ``(token, slot)`` pair routes to are dequantized (one host read of which they are); -1 adds nothing.
+
+    They are dequantized :data:`EXPERTS_PER_DEQUANTIZATION` at a time, each batch's pairs run
+    and summed before the next: a prefill routes to every expert, and V4-Flash's 256 at once
+    would be 25 GB of float32.
+    """
+    out = torch.zeros_like(x)
+    for batch in experts[experts >= 0].unique().split(EXPERTS_PER_DEQUANTIZATION):
+        compact = torch.full((w13[0].shape[0],), -1, dtype=torch.long, device=experts.device)
+        compact[batch] = torch.arange(batch.numel(), device=experts.device)
+        local = torch.where(experts >= 0, compact[experts.clamp(min=0)], -1)
+        gate, up = dequantize_fp4(w13[0][batch], w13[1][batch]).to(x.dtype).chunk(2, dim=1)
+        down = dequantize_fp4(w2[0][batch], w2[1][batch]).to(x.dtype)
+        out += grouped_experts(x, weights, local, gate, down, up, limit)
+    return out
 
 
 def cpu_quant_method(original, config: Fp8Config, layer: nn.Module, prefix: str):

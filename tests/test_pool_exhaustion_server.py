@@ -8,20 +8,30 @@ at random between rounds through ``/set_internal_state``. Every request gets HTT
 greedy output equals a cold run's (the same prompt alone on a flushed cache), the server stays
 up, and every pool is whole after a flush.
 
-The two commands of issue 17 (whose admission raised ``PoolExhausted`` and stopped the
-scheduler) run first, scaled down to CI time: the second on its own server arguments with two
-4,500-token prompts instead of four of 8,000; the first on one request row instead of four with
-two 4,200-token prompts instead of eight of 12,000. As given, the first crashed the old scheduler
-in its second prefill chunk (20 s in on a quiet host) and now serves all eight in about 14
-minutes on this shared 2-core host: measured by hand, too slow for CI. The scaled-down versions
-did not crash the old code; the old crash's mechanism (snapshots planned for more forwards
-than there are records) is pinned at pool level in ``test_pool.py``.
+The two commands of issue 17 (whose admission raised ``PoolExhausted: checkpoint records: 1 rows
+wanted, 0 free`` from ``maybe_hand_to_session -> reserve -> _plan_snapshots`` and stopped the
+scheduler) run first, scaled down to CI time, each on arguments that crash the code before the fix
+(checked against fb8bd5f, the commit before it: both requests of each got a dropped connection,
+the log has that traceback; the fixed code serves them):
+
+* the first (default modes) on one request row instead of four: a 4,096-token chunk plans five
+  snapshots (every 1,024 tokens, one token before its end and at it), the old pool had four records;
+* the second (aligned / all_committed, its own server arguments) with an 8,192-token prompt and a
+  600-token one sent just after it: the long one's two chunks fill two prefill batches (16
+  snapshots each), and the overlap scheduler admits the short one before it processes the second
+  batch's result, so 16 snapshots are still pending when the short one plans its own; the old pool
+  had 18 records.
+
+As given, the first command crashed the old scheduler in its second prefill chunk (20 s in on a
+quiet host) and with the fix serves all eight requests in about 14 minutes on this shared 2-core
+host: measured by hand, too slow for CI.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -48,10 +58,10 @@ class Scarce:
 
 
 SERVERS = {
-    # One request row: 770 window slots and 12 records for prefill chunks of 2,048 tokens.
+    # One request row: 770 window slots and 12 records for prefill chunks of 4,096 tokens (5 snapshots each).
     "one_row": Scarce(
         "one_row",
-        ("--max-running-requests", "1", "--chunked-prefill-size", "2048", "--max-total-tokens", "12000",
+        ("--max-running-requests", "1", "--chunked-prefill-size", "4096", "--max-total-tokens", "12000",
          "--context-length", "12000"),
         {},
         2000,
@@ -89,10 +99,12 @@ class Job:
     new_tokens: int
     samples: int = 1
     disconnect: bool = False  # a streaming client that leaves after its first event
+    sent_after_s: float = 0.0  # how long after the round starts it is sent
 
 
 def run(url: str, job: Job) -> list[list[int]] | None:
     """The job's greedy outputs (one per sample); None for a client that disconnected."""
+    time.sleep(job.sent_after_s)
     params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": True, "n": job.samples}
     if job.disconnect:
         payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
@@ -141,13 +153,17 @@ def random_round(rng: random.Random, earlier: list[list[int]], scarce: Scarce) -
 def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
     url, scarce = scarce_server
     if scarce.name == "one_row":
-        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 2,048-token chunks.
+        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 4,096-token chunks.
         jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(4200)], 4) for seed in range(2)]
     elif scarce.name == "eight_rows":
-        # Its second: aligned / all_committed, eight rows, concurrent long prompts in 4,096-token chunks (16
-        # snapshots each): more than the window slots hold, so some are skipped.
+        # Its second: aligned / all_committed, eight rows, 4,096-token chunks (16 snapshots each): a long
+        # prompt first in the queue, a short one admitted while the long one's last snapshots are pending.
+        # More than the window slots hold, so some are skipped.
         set_modes(url, prefix_hits="aligned", window_policy="all_committed")
-        jobs = [Job([random.Random(10 + seed).randrange(VOCAB) for _ in range(4500)], 4) for seed in range(2)]
+        long, short = (
+            [random.Random(10 + seed).randrange(VOCAB) for _ in range(n)] for seed, n in enumerate((8192, 600))
+        )
+        jobs = [Job(long, 4), Job(short, 4, sent_after_s=0.5)]
     else:
         pytest.skip("the issue's commands run on the one_row and eight_rows servers")
     try:

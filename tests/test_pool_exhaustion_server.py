@@ -33,6 +33,7 @@ import concurrent.futures
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -74,10 +75,12 @@ SERVERS = {
         {},
         2000,
     ),
-    # Token slots for about two of the round's requests at once: SGLang queues and retracts.
+    # Token slots for about two of the round's requests at once: SGLang queues and retracts (requests
+    # that may stop at EOS are admitted on a tenth of its usual estimate of their outputs).
     "few_tokens": Scarce(
         "few_tokens",
-        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600"),
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600",
+         "--schedule-conservativeness", "0.1"),
         {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
         900,
         longest_output=120,
@@ -89,8 +92,12 @@ SERVERS = {
 def scarce_server(request, tiny_path, log_dir):
     scarce = SERVERS[request.param]
     args = ("--dtype", "float32", "--skip-tokenizer-init", *scarce.args)
-    with running_server(tiny_path, *args, log_path=log_dir / f"exhaustion-{scarce.name}.log", env=scarce.env) as url:
+    with running_server(tiny_path, *args, log_path=server_log(log_dir, scarce), env=scarce.env) as url:
         yield url, scarce
+
+
+def server_log(log_dir: Path, scarce: Scarce) -> Path:
+    return log_dir / f"exhaustion-{scarce.name}.log"
 
 
 @dataclass(frozen=True)
@@ -100,12 +107,15 @@ class Job:
     samples: int = 1
     disconnect: bool = False  # a streaming client that leaves after its first event
     sent_after_s: float = 0.0  # how long after the round starts it is sent
+    # Whether it may stop at EOS: SGLang then admits it on an estimate of its output's length
+    # (a fraction of max_new_tokens) and retracts it if that was too low; otherwise on all of it.
+    until_eos: bool = False
 
 
 def run(url: str, job: Job) -> list[list[int]] | None:
     """The job's greedy outputs (one per sample); None for a client that disconnected."""
     time.sleep(job.sent_after_s)
-    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": True, "n": job.samples}
+    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": not job.until_eos, "n": job.samples}
     if job.disconnect:
         payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
         with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
@@ -129,7 +139,7 @@ def assert_equal_to_cold_runs(url: str, jobs: list[Job], outputs: list[list[list
         if samples is None:
             continue
         flush(url)
-        (cold,) = run(url, Job(job.ids, job.new_tokens))
+        (cold,) = run(url, Job(job.ids, job.new_tokens, until_eos=job.until_eos))
         assert samples == [cold] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
 
 
@@ -197,5 +207,28 @@ def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     state = prefix_cache_state(url)
     print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
+    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_pools_idle(url)
+
+
+# SGLang's warning when a decode step's tokens do not fit and it retracts running requests.
+RETRACTION_LOGGED = "KV cache pool is full. Retract requests."
+
+
+def test_requests_retracted_when_decode_outgrows_the_token_pool_finish_exact(scarce_server, log_dir):
+    url, scarce = scarce_server
+    if scarce.name != "few_tokens":
+        pytest.skip("the token pool runs out in decode on the few_tokens server")
+    # Four prompts admitted together (SGLang counts the whole output of the one it admits, a tenth of
+    # the rest of those running) whose outputs then do not fit the 2,600 token slots: 4 x (500 + 200)
+    # tokens (seeds whose greedy outputs do not reach EOS by then).
+    prompts = [[random.Random(seed).randrange(VOCAB) for _ in range(500)] for seed in range(23, 27)]
+    jobs = [Job(ids, 200, until_eos=True) for ids in prompts]
+    log = server_log(log_dir, scarce)
+    flush(url)
+    logged_before = log.read_text().count(RETRACTION_LOGGED)
+    outputs = concurrently(url, jobs)
+    assert_healthy(url)
+    assert log.read_text().count(RETRACTION_LOGGED) > logged_before, "SGLang never retracted a request"
     assert_equal_to_cold_runs(url, jobs, outputs)
     assert_pools_idle(url)

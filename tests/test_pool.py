@@ -212,3 +212,39 @@ def test_room_for_windows_counts_only_what_running_requests_can_give_back(tiny_m
     assert pool.window_slots.free == window
     assert not pool.room_for_windows(window + 1)  # the two running windows hold the rest
     assert pool.room_for_windows(window)
+
+
+def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoints_and_the_next_exact(tiny_model):
+    """SGLang's overlap scheduler reserves the next batch's rows before it processes the results of
+    the forward it launched last: the snapshots dropped then may be ones that forward already wrote."""
+    first, second = random_ids(300, 1024, seed=91), random_ids(200, 1024, seed=92)
+    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+    make_scarce(pool, "window_slots", 400)
+    pool.set_reclaim(lambda: False, lambda: False)
+    pool.snapshot_interval = 128
+    pool.start(1)
+    pool.tables.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
+    cold_first = tiny_model(first, tiny_model.new_state())
+    assert (forward_with_snapshots(tiny_model, pool, 1, first, 0, 300) - cold_first).abs().max() <= 1e-4
+    # The next batch is reserved before the first forward's result is processed: row 2's own
+    # window finds its slots by dropping row 1's newest snapshot, which that forward filled.
+    pool.start(2)
+    pool.tables.reserve(2, 200)
+    assert [c.position for c in pool.pending[1]] == [128]
+    assert pool.checkpoints_skipped["window_slots"] >= 1
+    cold_second = tiny_model(second, tiny_model.new_state())
+    assert (forward_with_snapshots(tiny_model, pool, 2, second, 0, 200) - cold_second).abs().max() <= 1e-4
+    # Then the first forward's result: its kept snapshot and its end's checkpoint resume exactly.
+    slots = torch.arange(1, 301)
+    pool.commit_entries(1, slots, 0, 300)
+    resumable = [*pool.take_snapshots(1, 300), pool.checkpoint(1, 300)]
+    assert [c.position for c in resumable] == [128, 300]
+    pool.tables.free(1)
+    pool.tables.free(2)
+    for checkpoint in resumable:
+        pool.resume(3, checkpoint, slots)
+        pool.tables.reserve(3, 301)
+        ids = torch.cat([first, second[:1]])
+        resumed = forward_with_snapshots(tiny_model, pool, 3, ids, checkpoint.position, 301)
+        assert (resumed - tiny_model(ids, tiny_model.new_state())[checkpoint.position :]).abs().max() <= 1e-4
+        pool.tables.free(3)

@@ -8,21 +8,32 @@ at random between rounds through ``/set_internal_state``. Every request gets HTT
 greedy output equals a cold run's (the same prompt alone on a flushed cache), the server stays
 up, and every pool is whole after a flush.
 
-The two commands of issue 17 (whose admission raised ``PoolExhausted`` and stopped the
-scheduler) run first, scaled down to CI time: the second on its own server arguments with two
-4,500-token prompts instead of four of 8,000; the first on one request row instead of four with
-two 4,200-token prompts instead of eight of 12,000. As given, the first crashed the old scheduler
-in its second prefill chunk (20 s in on a quiet host) and now serves all eight in about 14
-minutes on this shared 2-core host: measured by hand, too slow for CI. The scaled-down versions
-did not crash the old code; the old crash's mechanism (snapshots planned for more forwards
-than there are records) is pinned at pool level in ``test_pool.py``.
+The two commands of issue 17 (whose admission raised ``PoolExhausted: checkpoint records: 1 rows
+wanted, 0 free`` from ``maybe_hand_to_session -> reserve -> _plan_snapshots`` and stopped the
+scheduler) run first, scaled down to CI time, each on arguments that crash the code before the fix
+(checked against fb8bd5f, the commit before it: both requests of each got a dropped connection,
+the log has that traceback; the fixed code serves them):
+
+* the first (default modes) on one request row instead of four: a 4,096-token chunk plans five
+  snapshots (every 1,024 tokens, one token before its end and at it), the old pool had four records;
+* the second (aligned / all_committed, its own server arguments) with an 8,192-token prompt and a
+  600-token one sent just after it: the long one's two chunks fill two prefill batches (16
+  snapshots each), and the overlap scheduler admits the short one before it processes the second
+  batch's result, so 16 snapshots are still pending when the short one plans its own; the old pool
+  had 18 records.
+
+As given, the first command crashed the old scheduler in its second prefill chunk (20 s in on a
+quiet host) and with the fix serves all eight requests in about 14 minutes on this shared 2-core
+host: measured by hand, too slow for CI.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import random
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -48,10 +59,10 @@ class Scarce:
 
 
 SERVERS = {
-    # One request row: 770 window slots and 12 records for prefill chunks of 2,048 tokens.
+    # One request row: 770 window slots and 12 records for prefill chunks of 4,096 tokens (5 snapshots each).
     "one_row": Scarce(
         "one_row",
-        ("--max-running-requests", "1", "--chunked-prefill-size", "2048", "--max-total-tokens", "12000",
+        ("--max-running-requests", "1", "--chunked-prefill-size", "4096", "--max-total-tokens", "12000",
          "--context-length", "12000"),
         {},
         2000,
@@ -64,10 +75,12 @@ SERVERS = {
         {},
         2000,
     ),
-    # Token slots for about two of the round's requests at once: SGLang queues and retracts.
+    # Token slots for about two of the round's requests at once: SGLang queues and retracts (requests
+    # that may stop at EOS are admitted on a tenth of its usual estimate of their outputs).
     "few_tokens": Scarce(
         "few_tokens",
-        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600"),
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600",
+         "--schedule-conservativeness", "0.1"),
         {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
         900,
         longest_output=120,
@@ -79,8 +92,12 @@ SERVERS = {
 def scarce_server(request, tiny_path, log_dir):
     scarce = SERVERS[request.param]
     args = ("--dtype", "float32", "--skip-tokenizer-init", *scarce.args)
-    with running_server(tiny_path, *args, log_path=log_dir / f"exhaustion-{scarce.name}.log", env=scarce.env) as url:
+    with running_server(tiny_path, *args, log_path=server_log(log_dir, scarce), env=scarce.env) as url:
         yield url, scarce
+
+
+def server_log(log_dir: Path, scarce: Scarce) -> Path:
+    return log_dir / f"exhaustion-{scarce.name}.log"
 
 
 @dataclass(frozen=True)
@@ -89,11 +106,16 @@ class Job:
     new_tokens: int
     samples: int = 1
     disconnect: bool = False  # a streaming client that leaves after its first event
+    sent_after_s: float = 0.0  # how long after the round starts it is sent
+    # Whether it may stop at EOS: SGLang then admits it on an estimate of its output's length
+    # (a fraction of max_new_tokens) and retracts it if that was too low; otherwise on all of it.
+    until_eos: bool = False
 
 
 def run(url: str, job: Job) -> list[list[int]] | None:
     """The job's greedy outputs (one per sample); None for a client that disconnected."""
-    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": True, "n": job.samples}
+    time.sleep(job.sent_after_s)
+    params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": not job.until_eos, "n": job.samples}
     if job.disconnect:
         payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
         with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
@@ -117,7 +139,7 @@ def assert_equal_to_cold_runs(url: str, jobs: list[Job], outputs: list[list[list
         if samples is None:
             continue
         flush(url)
-        (cold,) = run(url, Job(job.ids, job.new_tokens))
+        (cold,) = run(url, Job(job.ids, job.new_tokens, until_eos=job.until_eos))
         assert samples == [cold] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
 
 
@@ -141,13 +163,17 @@ def random_round(rng: random.Random, earlier: list[list[int]], scarce: Scarce) -
 def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
     url, scarce = scarce_server
     if scarce.name == "one_row":
-        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 2,048-token chunks.
+        # Issue 17's first command (default modes), one row: two 4,200-token prompts, 4,096-token chunks.
         jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(4200)], 4) for seed in range(2)]
     elif scarce.name == "eight_rows":
-        # Its second: aligned / all_committed, eight rows, concurrent long prompts in 4,096-token chunks (16
-        # snapshots each): more than the window slots hold, so some are skipped.
+        # Its second: aligned / all_committed, eight rows, 4,096-token chunks (16 snapshots each): a long
+        # prompt first in the queue, a short one admitted while the long one's last snapshots are pending.
+        # More than the window slots hold, so some are skipped.
         set_modes(url, prefix_hits="aligned", window_policy="all_committed")
-        jobs = [Job([random.Random(10 + seed).randrange(VOCAB) for _ in range(4500)], 4) for seed in range(2)]
+        long, short = (
+            [random.Random(10 + seed).randrange(VOCAB) for _ in range(n)] for seed, n in enumerate((8192, 600))
+        )
+        jobs = [Job(long, 4), Job(short, 4, sent_after_s=0.5)]
     else:
         pytest.skip("the issue's commands run on the one_row and eight_rows servers")
     try:
@@ -181,5 +207,28 @@ def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     state = prefix_cache_state(url)
     print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
+    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_pools_idle(url)
+
+
+# SGLang's warning when a decode step's tokens do not fit and it retracts running requests.
+RETRACTION_LOGGED = "KV cache pool is full. Retract requests."
+
+
+def test_requests_retracted_when_decode_outgrows_the_token_pool_finish_exact(scarce_server, log_dir):
+    url, scarce = scarce_server
+    if scarce.name != "few_tokens":
+        pytest.skip("the token pool runs out in decode on the few_tokens server")
+    # Four prompts admitted together (SGLang counts the whole output of the one it admits, a tenth of
+    # the rest of those running) whose outputs then do not fit the 2,600 token slots: 4 x (500 + 200)
+    # tokens (seeds whose greedy outputs do not reach EOS by then).
+    prompts = [[random.Random(seed).randrange(VOCAB) for _ in range(500)] for seed in range(23, 27)]
+    jobs = [Job(ids, 200, until_eos=True) for ids in prompts]
+    log = server_log(log_dir, scarce)
+    flush(url)
+    logged_before = log.read_text().count(RETRACTION_LOGGED)
+    outputs = concurrently(url, jobs)
+    assert_healthy(url)
+    assert log.read_text().count(RETRACTION_LOGGED) > logged_before, "SGLang never retracted a request"
     assert_equal_to_cold_runs(url, jobs, outputs)
     assert_pools_idle(url)

@@ -198,7 +198,19 @@ class V4KVPool(KVCache):
 
     def _drop_newest_snapshot(self) -> bool:
         """A forward's own window slots ran short: drop the most recently planned snapshot not
-        taken yet, with the slots its row held only for it (a forward not run yet skips them)."""
+        taken yet, with the slots its row held only for it (a forward not run yet skips them).
+
+        The snapshot may belong to a forward already launched: SGLang's overlap scheduler builds
+        the next batch (reserving its rows, which is where this runs) before it processes the
+        results of the one it launched last, and on a CUDA stream that forward may still be
+        writing the snapshot's record. Freeing the record and slots now is still safe: what
+        writes them next is either a later forward, which runs after that one on the same
+        forward stream, or the scheduler processing that forward's results (a checkpoint at a
+        request's end), which first waits for the forward (``copy_done``). The scheduler's
+        other write, a chunked request's checkpoint, comes before the reservations of its
+        scheduling step, and the next step's after those results are processed. On the CPU the
+        launched forward has run before this is called (``test_pool.py`` plays that order).
+        """
         planned = [(c.last_used, row, c) for row, pending in self.pending.items() for c in pending]
         if not planned:
             return False

@@ -138,6 +138,18 @@ def test_strongest_repetition_penalty_and_logit_bias_are_served(server):
     assert len(output) == 3 and output[0] == 5  # the bias forces the first token
 
 
+def test_a_sampled_request_whose_grammar_leaves_no_token_fails_alone(server, references):
+    # The regex is complete after one token, and min_tokens then masks EOS too: no token is left.
+    # Found by the fuzzer: sampled (top_p below 1), the row's NaN probabilities failed the whole batch.
+    dead_end = {"model": "tiny", "prompt": "fix", "max_tokens": 4, "regex": "a", "min_tokens": 2, "top_p": 0.5}
+    reference = references[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(post, server, "/v1/completions", dead_end)
+        neighbour = pool.submit(greedy, server, reference.ids, 8)
+        assert CONTAINED_FAILURE not in refused.result().text, refused.result().text
+        assert neighbour.result() == reference.output
+
+
 def test_logprob_start_below_minus_one_is_refused(server):
     payload = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": -2}
     assert_refused(post(server, "/generate", payload), "logprob_start_len must be -1")

@@ -72,7 +72,7 @@ def bind_rank_threads(original: Callable[..., str], *, numa_index: int, world_si
     core each, round robin, when there are more ranks than cores); the rank's threads are
     pinned to its share and their number capped by it.
     """
-    if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") or not isinstance(_current_platform(), TorchCpuPlatform):
+    if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") or not on_torch_cpu_platform():
         return original(numa_index=numa_index, world_size=world_size)
     cores = sorted(os.sched_getaffinity(0))
     share = max(1, len(cores) // world_size)
@@ -81,9 +81,3 @@ def bind_rank_threads(original: Callable[..., str], *, numa_index: int, world_si
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(min(torch.get_num_threads(), len(mine)))
     return ",".join(map(str, mine))
-
-
-def _current_platform():
-    from sglang.srt.platforms import current_platform
-
-    return current_platform

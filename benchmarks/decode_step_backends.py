@@ -28,9 +28,10 @@ for batch in (1, 8):
     best = {"reference": 1e9, "batched": 1e9}
     for step in range(6):
         ref_pool, bat_pool = pair.pools
-        start = ref_pool.tables.position[1]
+        start = ref_pool.storage.tables.position[1]
         for r in rows:
-            for p in pair.pools: p.tables.reserve(r, start + 1)
+            for p in pair.pools:
+                p.tables.reserve(r, start + 1)
         ids = torch.randint(0, 1024, (batch,))
         spans = [RequestSpan(r, start, 1, i) for i, r in enumerate(rows)]
         t = time.perf_counter()
@@ -38,7 +39,12 @@ for batch in (1, 8):
         pair._run(ids, lambda l, b, x: pair.reference.attend(b.attn, l, x, None))
         best["reference"] = min(best["reference"], time.perf_counter() - t)
         t = time.perf_counter()
-        index = batched.build_index(batched.BatchPlan(rows, [start] * batch, [1] * batch), bat_pool.tables, model.config, "cpu")
-        pair._run(ids, lambda l, b, x: b.attn.project_out(batched.attend(b.attn, l, x, index, bat_pool)))
+        index = batched.build_index(
+            batched.BatchPlan(rows, [start] * batch, [1] * batch), bat_pool.storage.tables, model.config, "cpu"
+        )
+        pair._run(ids, lambda l, b, x: b.attn.project_out(batched.attend(b.attn, l, x, index, bat_pool.storage)))
         best["batched"] = min(best["batched"], time.perf_counter() - t)
-    print(f"batch {batch}: reference {best['reference']*1e3:.1f} ms, batched {best['batched']*1e3:.1f} ms, ratio {best['reference']/best['batched']:.2f}x", flush=True)
+    print(
+        f"batch {batch}: reference {best['reference'] * 1e3:.1f} ms, batched {best['batched'] * 1e3:.1f} ms, ratio {best['reference'] / best['batched']:.2f}x",
+        flush=True,
+    )

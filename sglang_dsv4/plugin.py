@@ -16,7 +16,6 @@ import logging
 from typing import Any
 
 import torch
-
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .config import check_tensor_parallel
@@ -172,7 +171,7 @@ def _register_prefix_cache() -> None:
 
 
 def _default_to_v4_radix_cache(original, ctx):
-    from .memory_pool.pool import V4KVPool
+    from .kv_cache import V4KVPool
     from .prefix_cache.registration import build_v4_radix_cache
 
     if isinstance(ctx.params.token_to_kv_pool_allocator.get_kvcache(), V4KVPool):
@@ -225,7 +224,10 @@ def _size_v4_pools(original, configurator):
 
     config = served_config(configurator.model_config.hf_config)
     layout = PoolLayout(config, configurator.kv_cache_dtype)
-    return V4PoolConfigurator(layout, get_schedule().max_running_requests)
+    # On a GPU the request tables have device twins (the CPU reads its host tables).
+    on_device = torch.device(configurator.device).type != "cpu"
+    context = configurator.model_config.context_len if on_device else 0
+    return V4PoolConfigurator(layout, get_schedule().max_running_requests, context)
 
 
 def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
@@ -237,8 +239,8 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
             is_dsv4_model=is_dsv4_model,
             req_to_token_pool=req_to_token_pool,
         )
+    from .kv_cache import V4KVPool
     from .memory_pool.ledger import KVLedger
-    from .memory_pool.pool import V4KVPool
 
     pool = V4KVPool(
         size=sizes.max_total_num_tokens,
@@ -251,20 +253,20 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
     )
     # SGLang reserves each request's compressed-entry rows before a forward and returns
     # them when it frees the request, through the request pool's auxiliary cache.
-    req_to_token_pool.attach_aux_cache(pool.tables)
+    req_to_token_pool.attach_aux_cache(pool.storage.tables)
     logger.info(
         "sglang-dsv4 KV pool: %d token slots, %d request rows, %.3f GiB allocated; KV ledger:\n%s",
         sizes.max_total_num_tokens,
         req_to_token_pool.size,
-        pool.allocated_bytes / 2**30,
-        KVLedger(pool.config, configurator.kv_cache_dtype).table([req_to_token_pool.max_context_len]),
+        pool.storage.allocated_bytes / 2**30,
+        KVLedger(pool.storage.config, configurator.kv_cache_dtype).table([req_to_token_pool.max_context_len]),
     )
     return pool
 
 
 def _report_pool_usage(result, controller, recv_req) -> None:
     """Add the V4 pools' totals, free and evictable counts, and the rank's resident weight bytes, to ``/server_info``."""
-    from .memory_pool.pool import V4KVPool
+    from .kv_cache import V4KVPool
 
     scheduler = controller.scheduler
     allocator = scheduler.token_to_kv_pool_allocator
@@ -278,11 +280,11 @@ def _report_pool_usage(result, controller, recv_req) -> None:
             "evictable": scheduler.tree_cache.evictable_size(),
         },
         "request_rows": {
-            "total": pool.tables.request_rows - 1,
+            "total": pool.storage.tables.request_rows - 1,
             "free": scheduler.req_to_token_pool.available_size(),
         },
-        **pool.usage(),
-        "allocated_bytes": pool.allocated_bytes,
+        **pool.storage.usage(),
+        "allocated_bytes": pool.storage.allocated_bytes,
     }
     resident = _over_tensor_parallel_ranks(_resident_bytes(scheduler.tp_worker.model_runner.model))
     result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}

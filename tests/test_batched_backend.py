@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import assert_close_to_scale, random_ids
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from test_pool import with_device_twins
 
 from sglang_dsv4.attention_backend import batched
 from sglang_dsv4.attention_backend.batched_backend import BatchedBackend
@@ -26,7 +27,7 @@ from sglang_dsv4.attention_backend.torch_reference import RequestSpan, TorchRefe
 from sglang_dsv4.kernels import sparse_torch
 from sglang_dsv4.kernels.selection import KVSelection
 from sglang_dsv4.kernels.sparse_torch import sparse_attention, sparse_decode_attention_reference, streamed_top_k
-from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.model.network import run_blocks
 
 ROWS, CONTEXT, TOKENS = 9, 2048, 8192
@@ -40,8 +41,8 @@ class TwoBackends:
         self.pools = []
         for _ in range(2):
             pool = V4KVPool(TOKENS, 1, model.config, torch.float32, ROWS - 1, CONTEXT, "cpu")
-            pool.snapshot_interval = snapshot_interval
-            pool.snapshot_before_extend_end = snapshot_before_extend_end
+            pool.checkpoints.interval = snapshot_interval
+            pool.checkpoints.before_extend_end = snapshot_before_extend_end
             self.pools.append(pool)
         runner = types.SimpleNamespace(token_to_kv_pool=self.pools[0], req_to_token_pool=None)
         self.reference = TorchReferenceBackend(runner)
@@ -61,9 +62,9 @@ class TwoBackends:
         reference_pool, batched_pool = self.pools
         spans, offset = [], 0
         for row, length in zip(rows, lengths, strict=True):
-            self.each_pool(lambda pool: pool.tables.bound[row] or pool.start(row))
-            start = reference_pool.tables.position[row]
-            self.each_pool(lambda pool: pool.tables.reserve(row, start + length))
+            self.each_pool(lambda pool: pool.storage.tables.bound[row] or pool.storage.tables.bind(row))
+            start = reference_pool.storage.tables.position[row]
+            self.each_pool(lambda pool: pool.storage.tables.reserve(row, start + length))
             spans.append(RequestSpan(row, start, length, offset))
             offset += length
         ids = torch.cat([self.sequences[s.request][s.start : s.start + s.length] for s in spans])
@@ -71,34 +72,36 @@ class TwoBackends:
         snapshots = [
             batched.Snapshot(i, c.position, c.record)
             for i, s in enumerate(spans)
-            for c in batched_pool.snapshots_between(s.request, s.start, s.start + s.length)
+            for c in batched_pool.checkpoints.between(s.request, s.start, s.start + s.length)
         ]
         plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
         batched_ids = ids
         if decode_graph is None:
-            index = batched.build_index(plan, batched_pool.tables, self.model.config, "cpu")
+            index = batched.build_index(plan, batched_pool.storage.tables, self.model.config, "cpu")
         else:
             index = decode_graph.replay(rows, [s.start + 1 for s in spans])
             batched_ids = torch.cat([ids, torch.zeros(index.tokens - len(ids), dtype=ids.dtype)])
         expected = self._run(ids, lambda layer, block, x: self.reference.attend(block.attn, layer, x, None))
         actual = self._run(
             batched_ids,
-            lambda layer, block, x: block.attn.project_out(batched.attend(block.attn, layer, x, index, batched_pool)),
+            lambda layer, block, x: block.attn.project_out(
+                batched.attend(block.attn, layer, x, index, batched_pool.storage)
+            ),
         )[: len(ids)]
         for row, span in zip(rows, spans, strict=True):  # the tree would take the filled checkpoints now
-            taken = self.each_pool(lambda pool: pool.take_snapshots(row, span.start + span.length))
+            taken = self.each_pool(lambda pool: pool.checkpoints.take(row, span.start + span.length))
             self.filled += len(taken[0])
             for reference_checkpoint, checkpoint in zip(*taken, strict=True):
-                for key, records in reference_pool.checkpoint_state.items():
+                for key, records in reference_pool.storage.checkpoint_state.items():
                     torch.testing.assert_close(
-                        batched_pool.checkpoint_state[key][checkpoint.record],
+                        batched_pool.storage.checkpoint_state[key][checkpoint.record],
                         records[reference_checkpoint.record],
                         rtol=1e-5,
                         atol=1e-5,
                         msg=f"checkpoint at {checkpoint.position} of row {row}, {key}",
                     )
-                reference_pool.release(reference_checkpoint)
-                batched_pool.release(checkpoint)
+                reference_pool.checkpoints.release(reference_checkpoint)
+                batched_pool.checkpoints.release(checkpoint)
         return expected, actual
 
     @torch.no_grad()
@@ -112,12 +115,14 @@ class TwoBackends:
         """Every row but the padding row 0 (where the batched core parks the writes it discards).
 
         The record one step back is compared only for rows whose last forward ran one token:
-        only then is it read (:meth:`V4KVPool.checkpoint`).
+        only then is it read (:meth:`~sglang_dsv4.prefix_cache.checkpoints.Checkpoints.make`).
         """
         reference, other = self.pools
-        one_step = torch.tensor([r for r in range(ROWS) if reference.tables.last_step[r] == 1], dtype=torch.int64)
+        one_step = torch.tensor(
+            [r for r in range(ROWS) if reference.storage.tables.last_step[r] == 1], dtype=torch.int64
+        )
         for name in ("window", "compressed", "state", "previous_state", "checkpoint_state"):
-            expected, actual = getattr(reference, name), getattr(other, name)
+            expected, actual = getattr(reference.storage, name), getattr(other.storage, name)
             keys = range(len(expected)) if isinstance(expected, list) else expected.keys()
             rows = one_step if name == "previous_state" else slice(1, None)
             for key in keys:
@@ -127,12 +132,12 @@ class TwoBackends:
 
     def checkpoint(self, row: int, position: int, slots: torch.Tensor):
         """Both pools: the tree commits the row's first ``position`` token slots and checkpoints it there."""
-        self.each_pool(lambda pool: pool.commit_entries(row, slots, 0, position))
-        return self.each_pool(lambda pool: pool.checkpoint(row, position))
+        self.each_pool(lambda pool: pool.entries.commit(row, slots, 0, position))
+        return self.each_pool(lambda pool: pool.checkpoints.make(row, position))
 
     def resume(self, row: int, checkpoints, slots: torch.Tensor) -> None:
         for pool, checkpoint in zip(self.pools, checkpoints, strict=True):
-            pool.resume(row, checkpoint, slots)
+            pool.checkpoints.resume(row, checkpoint, slots)
 
 
 def assert_same(logits: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -168,7 +173,7 @@ def test_decode_batch_at_every_position_modulo_4_and_128_with_snapshots(tiny_mod
     pair = TwoBackends(tiny_model)
     rows = list(range(1, 9))
     assert_same(pair.forward(rows, [130 + 16 * i for i in range(8)]))
-    pair.each_pool(lambda pool: setattr(pool, "snapshot_interval", 12))
+    pair.each_pool(lambda pool: setattr(pool.checkpoints, "interval", 12))
     for _ in range(17):
         assert_same(pair.forward(rows, [1] * 8))
     pair.assert_same_pools()
@@ -181,7 +186,7 @@ def test_requests_resumed_from_checkpoints_next_to_cold_ones(tiny_model):
     pair.forward([1], [67])  # 197: inside a ratio-4 and a ratio-128 block
     slots = torch.arange(1, 198)  # the token slots a prefix cache would hold for them
     checkpoints = pair.checkpoint(1, 197, slots)
-    pair.each_pool(lambda pool: pool.tables.free(1))
+    pair.each_pool(lambda pool: pool.storage.tables.free(1))
     pair.resume(2, checkpoints, slots)
     assert_same(pair.forward([3, 2], [150, 60]))  # a cold prefill beside the resumed request
     assert_same(pair.forward([2, 3], [1, 1]))
@@ -238,7 +243,7 @@ class DecodeGraphRunner:
             x = torch.randn(size, self.model.config.hidden_size)
             with torch.no_grad():
                 for layer, block in enumerate(self.model.layers):
-                    batched.attend(block.attn, layer, x, index, self.pool)
+                    batched.attend(block.attn, layer, x, index, self.pool.storage)
 
     def replay(self, rows: list[int], seq_lens: list[int]) -> batched.ForwardIndex:
         size = min(s for s in self.sizes if s >= len(rows))
@@ -285,10 +290,11 @@ def test_decode_replayed_through_the_graph_hooks_equals_the_reference_and_pads_i
     pair = TwoBackends(tiny_model)
     rows = [1, 2, 3, 4, 5]
     assert_same(pair.forward(rows, [125, 130, 255, 3, 62]))
+    with_device_twins(pair.pools[1].storage.tables)  # the graph reads what the hooks flushed, as on a GPU
     graph = DecodeGraphRunner(pair.pools[1], tiny_model, sizes=[1, 4, 8])
     graph.capture()
     pair.assert_same_pools()  # the warm-up forwards wrote padding rows only
-    pair.each_pool(lambda pool: setattr(pool, "snapshot_interval", 12))
+    pair.each_pool(lambda pool: setattr(pool.checkpoints, "interval", 12))
     for step in range(14):
         batch = rows[:3] if step % 2 else rows
         assert_same(pair.forward(batch, [1] * len(batch), decode_graph=graph))
@@ -322,7 +328,7 @@ def test_the_in_graph_decode_step_does_no_host_synchronisation(tiny_model, monke
     assert_same(pair.forward([1, 2, 3], [130, 7, 300]))
     pool = pair.pools[1]
     for row in (1, 2, 3):
-        pool.tables.reserve(row, pool.tables.position[row] + 1)
+        pool.storage.tables.reserve(row, pool.storage.tables.position[row] + 1)
     graph = DecodeGraphRunner(pool, tiny_model, sizes=[4])
     graph.req_pool_indices[:3] = torch.tensor([1, 2, 3])
     graph.seq_lens[:3] = torch.tensor([131, 8, 301])
@@ -334,7 +340,7 @@ def test_the_in_graph_decode_step_does_no_host_synchronisation(tiny_model, monke
     with HostSyncProbe(), torch.no_grad():
         graph.backend.init_forward_metadata_in_graph(view)
         for layer, block in enumerate(tiny_model.layers):
-            batched.attend(block.attn, layer, x, graph.backend.index, pool)
+            batched.attend(block.attn, layer, x, graph.backend.index, pool.storage)
 
 
 def test_indexer_selections_equal_the_reference(tiny_model):
@@ -346,23 +352,25 @@ def test_indexer_selections_equal_the_reference(tiny_model):
     starts, lengths = [400, 90], [37, 1]
     plan = batched.BatchPlan([1, 2], starts, lengths)
     for row, start, length in zip([1, 2], starts, lengths, strict=True):
-        pool.tables.reserve(row, start + length)
-    index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
+        pool.storage.tables.reserve(row, start + length)
+    index = batched.build_index(plan, pool.storage.tables, tiny_model.config, "cpu")
     x = torch.randn(sum(lengths), tiny_model.config.hidden_size)
     q_residual, *_ = attention.project(x, index.positions)
     # The keys the reference selects from: the pool's, advanced by the same tokens.
     expected, offset = [], 0
     for row, start, length in zip([1, 2], starts, lengths, strict=True):
-        state = pool.load(layer, row, start, torch.float32)
+        state = pool.storage.load(layer, row, start, torch.float32)
         rows = slice(offset, offset + length)
         positions = torch.arange(start, start + length)
         attention.indexer.compressor.advance(x[rows], start, state.indexer)
         visible = torch.arange(state.indexer.entries.shape[0])[None, :] < ((positions + 1) // 4)[:, None]
         expected.append(attention.indexer.select(x[rows], q_residual[rows], positions, state.indexer, visible))
         offset += length
-    records = batched._records(pool, (layer, "indexer"))
-    batched._advance(attention.indexer.compressor, x, index, pool.compressed[(layer, "indexer_keys")], records)
-    chosen = batched.select_entries(attention.indexer, x, q_residual, index, pool.compressed[(layer, "indexer_keys")])
+    records = batched._records(pool.storage, (layer, "indexer"))
+    batched._advance(attention.indexer.compressor, x, index, pool.storage.compressed[(layer, "indexer_keys")], records)
+    chosen = batched.select_entries(
+        attention.indexer, x, q_residual, index, pool.storage.compressed[(layer, "indexer_keys")]
+    )
     masks = [mask for request in expected for mask in request]
     for token, mask in enumerate(masks):
         chosen_blocks = sorted(chosen[token][chosen[token] >= 0].tolist())
@@ -378,10 +386,10 @@ def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):
     x = torch.randn(200, tiny_model.config.hidden_size)
     outputs = []
     for pool, heads in zip(pools, [slice(None), slice(1, 3)], strict=True):
-        pool.start(1)
-        pool.tables.reserve(1, 200)
-        index = batched.build_index(plan, pool.tables, tiny_model.config, "cpu")
-        outputs.append(batched.attend(attention, layer, x, index, pool, heads))
+        pool.storage.tables.bind(1)
+        pool.storage.tables.reserve(1, 200)
+        index = batched.build_index(plan, pool.storage.tables, tiny_model.config, "cpu")
+        outputs.append(batched.attend(attention, layer, x, index, pool.storage, heads))
     assert outputs[1].shape[1] == 2
     torch.testing.assert_close(outputs[1], outputs[0][:, 1:3], rtol=1e-5, atol=1e-6)
 
@@ -439,25 +447,26 @@ def test_a_2k_token_extend_at_64k_context_holds_no_tokens_by_context_tensor(tiny
     config = tiny_model.config
     context, tokens = 64 * 1024, 2048
     pool = V4KVPool(context + tokens, 1, config, torch.float32, 1, context + tokens, "cpu")
-    pool.start(1)
-    pool.tables.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
-    pool.tables.reserve(1, context + tokens)
+    pool.storage.tables.bind(1)
+    pool.storage.tables.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
+    pool.storage.tables.reserve(1, context + tokens)
     plan = batched.BatchPlan([1], [context], [tokens])
     x = torch.randn(tokens, config.hidden_size)
     bound = tokens * (config.sliding_window + config.index_topk) * max(config.num_heads, config.head_dim)
     for kind in ("csa", "hca"):
         layer = config.compress_ratios.index(4 if kind == "csa" else 128)
         with LargestTensor() as probe, torch.no_grad():
-            index = batched.build_index(plan, pool.tables, config, "cpu")
-            batched.attend(tiny_model.layers[layer].attn, layer, x, index, pool)
+            index = batched.build_index(plan, pool.storage.tables, config, "cpu")
+            batched.attend(tiny_model.layers[layer].attn, layer, x, index, pool.storage)
         # A dense [tokens x context / 4] score matrix alone would be 33.5M elements, the bound 18.9M.
         assert probe.largest <= bound, f"{kind}: a tensor of {probe.largest} elements, above {bound}"
 
 
-def test_the_batched_core_imports_neither_sglang_nor_triton():
+def test_the_batched_core_and_the_pools_rows_and_checkpoints_import_neither_sglang_nor_triton():
     # The hot path must run where SGLang cannot be installed (the H200 host) and on CPU hosts without Triton.
     code = (
-        "import sys, sglang_dsv4.attention_backend.batched; "
+        "import sys, sglang_dsv4.attention_backend.batched, sglang_dsv4.memory_pool.storage, "
+        "sglang_dsv4.prefix_cache.checkpoints; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'triton'}))"
     )
     reply = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

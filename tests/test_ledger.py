@@ -10,8 +10,8 @@ import torch
 
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import ConfigError, named_config
+from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.ledger import KV_DTYPES, KVLedger, resolve_config
-from sglang_dsv4.memory_pool.pool import V4KVPool
 
 MiB, GiB = 2**20, 2**30
 
@@ -79,7 +79,10 @@ def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
     # Two pools differing in tokens and in requests pin both figures (the system has one solution).
     for pool_tokens, requests in [(tokens, 1), (2 * tokens, 2)]:
         pool = V4KVPool(pool_tokens, 1, config, dtype, max_requests=requests, max_context=pool_tokens, device="cpu")
-        assert pool.allocated_bytes == ours.bytes_per_token * pool_tokens + ours.bytes_per_request * requests + padding
+        assert (
+            pool.storage.allocated_bytes
+            == ours.bytes_per_token * pool_tokens + ours.bytes_per_request * requests + padding
+        )
 
 
 def test_our_fixed_bytes_per_request_are_a_fraction_of_the_reference():

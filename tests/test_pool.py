@@ -7,24 +7,25 @@ import logging
 import torch
 from conftest import random_ids
 
-from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.kv_cache import V4KVPool
+from sglang_dsv4.memory_pool.request_tables import DeviceTables, RequestTables
 from sglang_dsv4.memory_pool.shared_rows import SharedRows
 from sglang_dsv4.model.state import RequestState
 
 
 def run_through_pool(model, pool: V4KVPool, request: int, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """Logits of ``ids`` fed in ``chunks``, the state living in the pool between chunks."""
-    logits, start = [], pool.tables.position[request]
-    if not pool.tables.bound[request]:
-        pool.start(request)
+    logits, start = [], pool.storage.tables.position[request]
+    if not pool.storage.tables.bound[request]:
+        pool.storage.tables.bind(request)
     for length in chunks:
         end = start + length
-        pool.tables.reserve(request, end)
-        layers = [pool.load(layer, request, start, torch.float32) for layer in range(model.config.num_layers)]
+        pool.storage.tables.reserve(request, end)
+        layers = [pool.storage.load(layer, request, start, torch.float32) for layer in range(model.config.num_layers)]
         state = RequestState(start, layers)
         logits.append(model(ids[start:end], state))
         for layer, layer_state in enumerate(state.layers):
-            pool.store(layer, request, start, end, layer_state)
+            pool.storage.store(layer, request, start, end, layer_state)
         start = end
     return torch.cat(logits)
 
@@ -41,28 +42,30 @@ def test_a_reused_request_row_starts_from_an_empty_state(tiny_model):
     pool = V4KVPool(1024, 1, tiny_model.config, torch.float32, max_requests=2, max_context=1024, device="cpu")
     first, second = random_ids(200, 1024, seed=81), random_ids(150, 1024, seed=82)
     run_through_pool(tiny_model, pool, 1, first, [200])
-    pool.tables.free(1)
+    pool.storage.tables.free(1)
     reused = run_through_pool(tiny_model, pool, 1, second, [150])
     assert (reused - tiny_model(second, tiny_model.new_state())).abs().max() <= 1e-4
 
 
 def test_freeing_a_request_returns_its_entry_rows(tiny_model):
     pool = V4KVPool(1024, 1, tiny_model.config, torch.float32, max_requests=2, max_context=1024, device="cpu")
-    before = pool.usage()
+    before = pool.storage.usage()
     run_through_pool(tiny_model, pool, 2, random_ids(300, 1024, seed=83), [300])
-    held = pool.usage()
+    held = pool.storage.usage()
     assert held["ratio_4_entries"]["free"] == before["ratio_4_entries"]["free"] - 75
     assert held["ratio_128_entries"]["free"] == before["ratio_128_entries"]["free"] - 2
     window = tiny_model.config.sliding_window
     assert held["window_slots"]["free"] == before["window_slots"]["free"] - (window + 1)
-    pool.tables.free(2)
-    assert pool.usage() == before
+    pool.storage.tables.free(2)
+    assert pool.storage.usage() == before
 
 
 def test_bfloat16_pool_stores_bfloat16_and_keeps_the_greedy_choices(tiny_model):
     ids = random_ids(300, tiny_model.config.vocab_size, seed=84)
     pool = V4KVPool(1024, 1, tiny_model.config, torch.bfloat16, max_requests=2, max_context=1024, device="cpu")
-    assert pool.window[0].dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in pool.compressed.values())
+    assert pool.storage.window[0].dtype == torch.bfloat16 and all(
+        b.dtype == torch.bfloat16 for b in pool.storage.compressed.values()
+    )
     through_pool = run_through_pool(tiny_model, pool, 1, ids, [150, 150])
     exact = tiny_model(ids, tiny_model.new_state())
     assert (through_pool[:150] - exact[:150]).abs().max() <= 1e-4  # the first chunk reads nothing back
@@ -76,10 +79,10 @@ def test_a_checkpoint_resumes_exactly_on_another_row(tiny_model):
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     run_through_pool(tiny_model, pool, 1, ids, [130, 67])  # 197: inside a ratio-4 and a ratio-128 block
     slots = torch.arange(1, 198)  # the token slots a prefix cache would hold for them
-    pool.commit_entries(1, slots, 0, 197)
-    checkpoint = pool.checkpoint(1, 197)
-    pool.tables.free(1)  # the checkpoint and the slots keep what they point at
-    pool.resume(2, checkpoint, slots)
+    pool.entries.commit(1, slots, 0, 197)
+    checkpoint = pool.checkpoints.make(1, 197)
+    pool.storage.tables.free(1)  # the checkpoint and the slots keep what they point at
+    pool.checkpoints.resume(2, checkpoint, slots)
     resumed = run_through_pool(tiny_model, pool, 2, ids[:400], [203])
     cold = tiny_model(ids, tiny_model.new_state())
     assert (resumed - cold[197:]).abs().max() <= 1e-4
@@ -91,51 +94,54 @@ def test_a_checkpoint_one_decode_step_late_uses_the_state_before_it(tiny_model):
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     run_through_pool(tiny_model, pool, 1, ids, [259, 1])
     slots = torch.arange(1, 260)
-    pool.commit_entries(1, slots, 0, 259)
-    checkpoint = pool.checkpoint(1, 259)
-    pool.resume(3, checkpoint, slots)
+    pool.entries.commit(1, slots, 0, 259)
+    checkpoint = pool.checkpoints.make(1, 259)
+    pool.checkpoints.resume(3, checkpoint, slots)
     resumed = run_through_pool(tiny_model, pool, 3, ids, [41])
     assert (resumed - tiny_model(ids, tiny_model.new_state())[259:]).abs().max() <= 1e-4
 
 
 def test_checkpoints_and_requests_return_every_row_they_shared(tiny_model):
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
-    before = pool.usage()
+    before = pool.storage.usage()
     ids = random_ids(300, tiny_model.config.vocab_size, seed=87)
     run_through_pool(tiny_model, pool, 1, ids, [200])
     slots = torch.arange(1, 201)
-    pool.commit_entries(1, slots, 0, 200)
-    checkpoint = pool.checkpoint(1, 200)
-    pool.resume(2, checkpoint, slots)
+    pool.entries.commit(1, slots, 0, 200)
+    checkpoint = pool.checkpoints.make(1, 200)
+    pool.checkpoints.resume(2, checkpoint, slots)
     run_through_pool(tiny_model, pool, 2, ids, [100])
-    pool.tables.free(1)
-    pool.release(checkpoint)
-    pool.release_slots(slots)
-    assert pool.usage() != before  # row 2 still holds the shared entries
-    pool.tables.free(2)
-    assert pool.usage() == before
+    pool.storage.tables.free(1)
+    pool.checkpoints.release(checkpoint)
+    pool.entries.release_slots(slots)
+    assert pool.storage.usage() != before  # row 2 still holds the shared entries
+    pool.storage.tables.free(2)
+    assert pool.storage.usage() == before
 
 
 def make_scarce(pool: V4KVPool, kind: str, capacity: int) -> None:
     """Give ``pool`` only ``capacity`` rows of ``kind`` (``records`` or ``window_slots``), before anything is held."""
-    rows = SharedRows(capacity, getattr(pool, kind).name)
-    setattr(pool, kind, rows)
+    storage = pool.storage
+    rows = SharedRows(capacity, getattr(storage, kind).name)
+    setattr(storage, kind, rows)
     if kind == "window_slots":
-        pool.tables.window_slots = rows
+        storage.tables.window_slots = rows
 
 
 def forward_with_snapshots(model, pool: V4KVPool, request: int, ids: torch.Tensor, start: int, end: int):
     """Logits of tokens ``start .. end - 1`` of ``ids`` from the pool's state, filling the snapshots
     the pool planned for the forward as the attention backend does (in pieces ending at them)."""
-    state = RequestState(start, [pool.load(layer, request, start, torch.float32) for layer in range(len(model.layers))])
-    ends = [(c.position, c) for c in pool.snapshots_between(request, start, end)]
+    state = RequestState(
+        start, [pool.storage.load(layer, request, start, torch.float32) for layer in range(len(model.layers))]
+    )
+    ends = [(c.position, c) for c in pool.checkpoints.between(request, start, end)]
     logits = []
     for piece_end, checkpoint in ends + ([] if ends and ends[-1][0] == end else [(end, None)]):
         logits.append(model(ids[start:piece_end], state))
         for layer, layer_state in enumerate(state.layers):
-            pool.store(layer, request, start, piece_end, layer_state)
+            pool.storage.store(layer, request, start, piece_end, layer_state)
             if checkpoint is not None:
-                pool.snapshot(layer, request, checkpoint)
+                pool.storage.snapshot(layer, request, checkpoint.record)
         start = piece_end
     return torch.cat(logits)
 
@@ -144,20 +150,20 @@ def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_re
     ids = random_ids(400, tiny_model.config.vocab_size, seed=88)
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "records", 2)
-    pool.snapshot_interval = 64
-    pool.start(1)
-    with caplog.at_level(logging.WARNING, logger="sglang_dsv4.memory_pool.pool"):
-        pool.tables.reserve(1, 400)  # snapshots at 64, 128, ..., 384: records for the first two only
-    assert [c.position for c in pool.pending[1]] == [64, 128]
-    assert dict(pool.checkpoints_skipped) == {"records": 4, "window_slots": 0}
+    pool.checkpoints.interval = 64
+    pool.storage.tables.bind(1)
+    with caplog.at_level(logging.WARNING, logger="sglang_dsv4.prefix_cache.checkpoints"):
+        pool.storage.tables.reserve(1, 400)  # snapshots at 64, 128, ..., 384: records for the first two only
+    assert [c.position for c in pool.checkpoints.pending[1]] == [64, 128]
+    assert dict(pool.checkpoints.skipped) == {"records": 4, "window_slots": 0}
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1  # once per interval
     cold = tiny_model(ids, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 1, ids, 0, 400) - cold).abs().max() <= 1e-4
     slots = torch.arange(1, 401)
-    pool.commit_entries(1, slots, 0, 400)
-    snapshot = pool.take_snapshots(1, 400)[-1]
-    pool.resume(2, snapshot, slots)
-    pool.tables.reserve(2, 400)
+    pool.entries.commit(1, slots, 0, 400)
+    snapshot = pool.checkpoints.take(1, 400)[-1]
+    pool.checkpoints.resume(2, snapshot, slots)
+    pool.storage.tables.reserve(2, 400)
     assert (forward_with_snapshots(tiny_model, pool, 2, ids, 128, 400) - cold[128:]).abs().max() <= 1e-4
 
 
@@ -167,28 +173,28 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 650)
     pool.set_reclaim(lambda: False, lambda: False)  # no prefix cache: nothing cached to evict
-    pool.snapshot_interval = 64
-    pool.start(1)
-    pool.tables.reserve(1, 600)  # its window and the snapshots' windows: every one of its 600 tokens
-    assert len(pool.pending[1]) == 9 and pool.window_slots.free == 50
-    pool.start(2)
-    pool.tables.reserve(2, 300)  # its own last window + 1 must be found: row 1's newest snapshots go
-    assert int((pool.tables.window_rows(2, 300 - window - 1, 300) > 0).sum()) == window + 1
-    kept = [c.position for c in pool.pending[1]]
+    pool.checkpoints.interval = 64
+    pool.storage.tables.bind(1)
+    pool.storage.tables.reserve(1, 600)  # its window and the snapshots' windows: every one of its 600 tokens
+    assert len(pool.checkpoints.pending[1]) == 9 and pool.storage.window_slots.free == 50
+    pool.storage.tables.bind(2)
+    pool.storage.tables.reserve(2, 300)  # its own last window + 1 must be found: row 1's newest snapshots go
+    assert int((pool.storage.tables.window_rows(2, 300 - window - 1, 300) > 0).sum()) == window + 1
+    kept = [c.position for c in pool.checkpoints.pending[1]]
     assert kept == [64 * (i + 1) for i in range(len(kept))] and len(kept) < 9
-    assert pool.checkpoints_skipped["window_slots"] >= 9 - len(kept)
+    assert pool.checkpoints.skipped["window_slots"] >= 9 - len(kept)
     # Both forwards run after both reservations, as in one batch: each still exact.
     cold_first = tiny_model(first, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 1, first, 0, 600) - cold_first).abs().max() <= 1e-4
     cold_second = tiny_model(second, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 2, second, 0, 300) - cold_second).abs().max() <= 1e-4
     slots = torch.arange(1, 601)
-    pool.commit_entries(1, slots, 0, 600)
-    last_kept = pool.take_snapshots(1, 600)[-1]
-    pool.tables.free(1)
-    pool.tables.free(2)
-    pool.resume(3, last_kept, slots)
-    pool.tables.reserve(3, 600)
+    pool.entries.commit(1, slots, 0, 600)
+    last_kept = pool.checkpoints.take(1, 600)[-1]
+    pool.storage.tables.free(1)
+    pool.storage.tables.free(2)
+    pool.checkpoints.resume(3, last_kept, slots)
+    pool.storage.tables.reserve(3, 600)
     resumed = forward_with_snapshots(tiny_model, pool, 3, first, last_kept.position, 600)
     assert (resumed - cold_first[last_kept.position :]).abs().max() <= 1e-4
 
@@ -198,20 +204,20 @@ def test_room_for_windows_counts_only_what_running_requests_can_give_back(tiny_m
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 3 * (window + 1))
     pool.set_reclaim(lambda: False, lambda: False)
-    pool.tables.window_policy = "all_committed"
-    pool.start(1)
-    pool.tables.reserve(1, 300)  # all_committed: every token's slot
-    pool.tables.reserve(1, 301)
-    assert pool.window_slots.free == 3 * (window + 1) - 301
+    pool.storage.tables.window_policy = "all_committed"
+    pool.storage.tables.bind(1)
+    pool.storage.tables.reserve(1, 300)  # all_committed: every token's slot
+    pool.storage.tables.reserve(1, 301)
+    assert pool.storage.window_slots.free == 3 * (window + 1) - 301
     # Row 1 falls back to what per_request keeps for its last forward (which may not have run):
     # the window before it, one slot for a checkpoint one step late, and its new token.
-    assert pool.room_for_windows(window + 1)
-    assert pool.window_slots.free == 3 * (window + 1) - (window + 2)
-    pool.start(2)
-    pool.tables.reserve(2, 300)  # all of its window slots do not fit: what per_request keeps does
-    assert pool.window_slots.free == window
-    assert not pool.room_for_windows(window + 1)  # the two running windows hold the rest
-    assert pool.room_for_windows(window)
+    assert pool.storage.room_for_windows(window + 1)
+    assert pool.storage.window_slots.free == 3 * (window + 1) - (window + 2)
+    pool.storage.tables.bind(2)
+    pool.storage.tables.reserve(2, 300)  # all of its window slots do not fit: what per_request keeps does
+    assert pool.storage.window_slots.free == window
+    assert not pool.storage.room_for_windows(window + 1)  # the two running windows hold the rest
+    assert pool.storage.room_for_windows(window)
 
 
 def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoints_and_the_next_exact(tiny_model):
@@ -221,30 +227,108 @@ def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoin
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 400)
     pool.set_reclaim(lambda: False, lambda: False)
-    pool.snapshot_interval = 128
-    pool.start(1)
-    pool.tables.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
+    pool.checkpoints.interval = 128
+    pool.storage.tables.bind(1)
+    pool.storage.tables.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
     cold_first = tiny_model(first, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 1, first, 0, 300) - cold_first).abs().max() <= 1e-4
     # The next batch is reserved before the first forward's result is processed: row 2's own
     # window finds its slots by dropping row 1's newest snapshot, which that forward filled.
-    pool.start(2)
-    pool.tables.reserve(2, 200)
-    assert [c.position for c in pool.pending[1]] == [128]
-    assert pool.checkpoints_skipped["window_slots"] >= 1
+    pool.storage.tables.bind(2)
+    pool.storage.tables.reserve(2, 200)
+    assert [c.position for c in pool.checkpoints.pending[1]] == [128]
+    assert pool.checkpoints.skipped["window_slots"] >= 1
     cold_second = tiny_model(second, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 2, second, 0, 200) - cold_second).abs().max() <= 1e-4
     # Then the first forward's result: its kept snapshot and its end's checkpoint resume exactly.
     slots = torch.arange(1, 301)
-    pool.commit_entries(1, slots, 0, 300)
-    resumable = [*pool.take_snapshots(1, 300), pool.checkpoint(1, 300)]
+    pool.entries.commit(1, slots, 0, 300)
+    resumable = [*pool.checkpoints.take(1, 300), pool.checkpoints.make(1, 300)]
     assert [c.position for c in resumable] == [128, 300]
-    pool.tables.free(1)
-    pool.tables.free(2)
+    pool.storage.tables.free(1)
+    pool.storage.tables.free(2)
     for checkpoint in resumable:
-        pool.resume(3, checkpoint, slots)
-        pool.tables.reserve(3, 301)
+        pool.checkpoints.resume(3, checkpoint, slots)
+        pool.storage.tables.reserve(3, 301)
         ids = torch.cat([first, second[:1]])
         resumed = forward_with_snapshots(tiny_model, pool, 3, ids, checkpoint.position, 301)
         assert (resumed - tiny_model(ids, tiny_model.new_state())[checkpoint.position :]).abs().max() <= 1e-4
-        pool.tables.free(3)
+        pool.storage.tables.free(3)
+
+
+def with_device_twins(tables: RequestTables) -> RequestTables:
+    """Give the tables device twins of their own, as on a GPU (on the CPU a twin is its host table),
+    so that a forward reading them sees what the last flush copied and nothing later."""
+    mirrors = [tables._window, *tables._entries.values()]
+    for mirror in mirrors:
+        mirror.device = mirror.host.clone()
+    tables.on_device = DeviceTables(tables._window.device, {r: m.device for r, m in tables._entries.items()})
+    return tables
+
+
+def assert_twins_equal(tables: RequestTables) -> None:
+    assert torch.equal(tables.on_device.window_table, tables.window_table)
+    for ratio, table in tables.entry_table.items():
+        assert torch.equal(tables.on_device.entry_table[ratio], table), f"ratio {ratio}"
+
+
+def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_model):
+    """Rows bound fresh and from checkpoints, reserved in prefill and decode steps, trimmed under both
+    window policies, snapshots planned and taken, rows freed: after each flush the twins equal the
+    host tables, and between flushes they keep what the last one copied."""
+    pool = V4KVPool(4096, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+    tables = with_device_twins(pool.storage.tables)
+    pool.checkpoints.interval = 64
+    generator = torch.Generator().manual_seed(93)
+    slots = torch.arange(1, 1025)
+    checkpoints = []
+    for step in range(60):
+        copied = tables.on_device.window_table.clone()
+        row = int(torch.randint(1, 5, (1,), generator=generator))
+        tables.window_policy = ("per_request", "all_committed")[step % 2]
+        if not tables.bound[row]:
+            if checkpoints and step % 3 == 0:
+                pool.checkpoints.resume(row, checkpoints.pop(), slots)
+            else:
+                tables.bind(row)
+        position = tables.position[row]
+        length = 1 if step % 4 else int(torch.randint(2, 200, (1,), generator=generator))
+        if position + length > 1000:
+            tables.free(row)
+        else:
+            tables.reserve(row, position + length)
+            if step % 5 == 0 and position + length > 0:
+                pool.entries.commit(row, slots, 0, position + length)
+                made = pool.checkpoints.make(row, position + length)
+                checkpoints.extend([] if made is None else [made])
+                for taken in pool.checkpoints.take(row, position + length):
+                    pool.checkpoints.release(taken)
+        assert torch.equal(tables.on_device.window_table, copied)  # nothing reaches the twin before a flush
+        if step % 3 == 2:
+            tables.flush()
+            assert_twins_equal(tables)
+    tables.clear()
+    tables.flush()
+    assert_twins_equal(tables)
+    assert not tables.on_device.window_table.any()
+
+
+def test_dropping_a_snapshot_of_the_forward_before_the_reserved_one_frees_only_its_share(tiny_model):
+    """The overlap scheduler reserves a row's next decode step before the tree takes the snapshots of
+    the forward before it; when another row's window then runs short, the snapshot dropped may be one
+    of that earlier forward, all of whose window lies before the step's start."""
+    window = tiny_model.config.sliding_window
+    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+    make_scarce(pool, "window_slots", 300)
+    pool.set_reclaim(lambda: False, lambda: False)
+    pool.checkpoints.interval = 128
+    tables = pool.storage.tables
+    tables.bind(1)
+    tables.reserve(1, 200)  # a snapshot at 128, whose window (0 .. 127) lies before the next step
+    tables.reserve(1, 201)  # the next decode step, reserved before the tree takes it
+    assert [c.position for c in pool.checkpoints.pending[1]] == [128]
+    held = pool.storage.window_slots.free
+    tables.bind(2)
+    tables.reserve(2, held + 1)  # more than is free: the snapshot at 128 goes, row 1 keeps its window
+    assert pool.checkpoints.pending[1] == [] and pool.checkpoints.skipped["window_slots"] == 1
+    assert int((tables.window_rows(1, 201 - window - 1, 201) > 0).sum()) == window + 1

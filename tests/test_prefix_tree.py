@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from test_pool import make_scarce
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from test_pool import make_scarce
 
-from sglang_dsv4.memory_pool.pool import V4KVPool
+from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.prefix_cache.tree import ALIGNED_PAGE, V4RadixCache
 
 TOKENS, ROWS, CONTEXT = 3000, 6, 1400
@@ -67,7 +67,7 @@ class Scheduler:
         if scarce is not None:
             make_scarce(self.pool, *scarce)
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", enable_memory_saver=False)
-        self.rows.attach_aux_cache(self.pool.tables)
+        self.rows.attach_aux_cache(self.pool.storage.tables)
         self.slots = TokenToKVPoolAllocator(TOKENS, torch.float32, "cpu", self.pool, need_sort=False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.slots, page_size=1
@@ -92,7 +92,9 @@ class Scheduler:
         fill = array("q", tokens + [0])
         req = Request(self.count, fill, array("q", tokens), match.device_prefix_len, match.last_device_node)
         # SGLang's admission with the plugin's check: token slots, then the request's window slots.
-        if not self.tree.room_for_windows(self.tree.window_slots_for_prefill(len(tokens) - req.prefix_len), req.last_node):
+        if not self.tree.room_for_windows(
+            self.tree.window_slots_for_prefill(len(tokens) - req.prefix_len), req.last_node
+        ):
             return
         req.lock = self.tree.lock(req.last_node)
         if not self._make_room(len(tokens) - req.prefix_len):
@@ -201,8 +203,8 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
     while scheduler.running:
         scheduler.finish(checkpoint=True)
     scheduler.tree.reset()
-    usage = scheduler.pool.usage()
+    usage = scheduler.pool.storage.usage()
     assert all(kind["free"] == kind["total"] for kind in usage.values()), usage
-    skipped = scheduler.pool.checkpoints_skipped
+    skipped = scheduler.pool.checkpoints.skipped
     if scarce is not None:  # the scarce kind ran out and was skipped, never raised
         assert skipped[scarce] > 0, skipped

@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pool import with_device_twins
 
 from sglang_dsv4.config import named_config
+from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.layout import PoolLayout
-from sglang_dsv4.memory_pool.pool import V4KVPool
 from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS, V4PoolConfigurator
 
 
 def test_budget_splits_into_request_rows_and_tokens_that_fit(tiny_model):
     layout = PoolLayout(tiny_model.config, torch.float32)
     budget = 64 * 2**20
-    sizing = V4PoolConfigurator(layout, max_running_requests=16)
+    sizing = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0)
     tokens = sizing.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
     config = sizing.finalize_with_max_running_requests(sizing.calculate_pool_sizes_from_max_tokens(tokens, 1))
     assert config.max_running_requests == 16
     pool = V4KVPool(tokens, 1, tiny_model.config, torch.float32, max_requests=16, max_context=4096, device="cpu")
-    assert pool.allocated_bytes <= budget
+    assert pool.storage.allocated_bytes <= budget
     # The budget is used: one more page of tokens would not fit.
     assert (tokens + 1) * layout.bytes_per_token + 17 * layout.bytes_per_request + layout.padding_bytes > budget
 
 
 def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():
-    sizing = V4PoolConfigurator(PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=None)
+    sizing = V4PoolConfigurator(
+        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=None, device_table_context=0
+    )
     assert sizing.request_rows == DEFAULT_MAX_RUNNING_REQUESTS
     config = sizing.calculate_pool_sizes(80 * 2**30, page_size=1)
     config.max_running_requests = 2048  # what SGLang derives from the token count
@@ -33,6 +36,25 @@ def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():
 
 
 def test_budget_too_small_for_the_request_rows_names_the_fix():
-    sizing = V4PoolConfigurator(PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=256)
+    sizing = V4PoolConfigurator(
+        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=256, device_table_context=0
+    )
     with pytest.raises(ValueError, match="lower --max-running-requests"):
         sizing.calculate_pool_sizes(2**30, page_size=1)
+
+
+def test_on_a_gpu_the_request_tables_device_twins_are_set_aside_and_counted(tiny_model):
+    """A GPU pool holds a device twin of every request row's tables: the sizing sets their bytes aside
+    from the budget, and the pool counts them in what it allocated, to the byte."""
+    layout, context, rows = PoolLayout(tiny_model.config, torch.float32), 4096, 16
+    budget = 64 * 2**20
+    on_host = V4PoolConfigurator(layout, max_running_requests=rows, device_table_context=0)
+    on_gpu = V4PoolConfigurator(layout, max_running_requests=rows, device_table_context=context)
+    tokens = on_gpu.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
+    fewer = on_host.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens - tokens
+    assert fewer == pytest.approx((rows + 1) * layout.request_table_bytes(context) / layout.bytes_per_token, abs=1)
+    pool = V4KVPool(tokens, 1, tiny_model.config, torch.float32, max_requests=rows, max_context=context, device="cpu")
+    rows_only = pool.storage.allocated_bytes
+    with_device_twins(pool.storage.tables)  # as on a GPU
+    assert pool.storage.allocated_bytes - rows_only == (rows + 1) * layout.request_table_bytes(context)
+    assert pool.storage.allocated_bytes <= budget

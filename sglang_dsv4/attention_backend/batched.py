@@ -87,7 +87,7 @@ class RequestTableStorage(Protocol):
 
 
 class PoolStorage(Protocol):
-    """The V4 pool's tensors (:class:`~sglang_dsv4.memory_pool.pool.V4KVPool`)."""
+    """The V4 pool's tensors (:class:`~sglang_dsv4.memory_pool.storage.V4PoolStorage`)."""
 
     window: list[torch.Tensor]
     compressed: dict[tuple[int, str], torch.Tensor]

@@ -2,11 +2,13 @@
 
 ``init_forward_metadata`` turns the forward batch into a :class:`~.batched.BatchPlan` (plain
 rows, starts, lengths and the checkpoints the forward fills) and builds the forward's index
-tensors once; every layer's :meth:`BatchedBackend.attend` then runs the batched core.
+tensors once, from the host's request tables; every layer's :meth:`BatchedBackend.attend` then
+runs the batched core. Every forward first brings the device's request tables up to date
+(:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.flush`), which is all a graph reads.
 
 Decode in a CUDA graph goes through SGLang's graph hooks instead, in the order its decode graph
 runner calls them: ``init_cuda_graph_state`` once, then per capture and per replay
-``init_forward_metadata_out_graph`` (host: the pending checkpoints to a device table) and
+``init_forward_metadata_out_graph`` (host: the request tables' changes and the pending checkpoints to the device) and
 ``init_forward_metadata_in_graph`` (device only, recorded in the graph: the index of the padded
 batch, from its ``req_pool_indices`` and ``seq_lens``, into buffers of stable address;
 :class:`~.batched.DecodeGraphIndex`).
@@ -17,8 +19,8 @@ from __future__ import annotations
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from ..memory_pool.pool import V4KVPool
 from ..model.attention import Attention
+from ..prefix_cache.checkpoints import Checkpoints
 from . import batched
 from .pool_bound import V4PoolBackend
 from .torch_reference import request_spans
@@ -36,12 +38,13 @@ class BatchedBackend(V4PoolBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool = self.token_to_kv_pool
-        plan = batch_plan(pool, forward_batch)
-        self.index = batched.build_index(plan, pool.tables, pool.config, pool.device)
+        pool.storage.tables.flush()
+        plan = batch_plan(pool.checkpoints, forward_batch)
+        self.index = batched.build_index(plan, pool.storage.tables, pool.storage.config, pool.storage.device)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        pool = self.token_to_kv_pool
-        self.graph_index = batched.DecodeGraphIndex(max_bs, pool.tables, pool.config, pool.device)
+        storage = self.token_to_kv_pool.storage
+        self.graph_index = batched.DecodeGraphIndex(max_bs, storage.tables.on_device, storage.config, storage.device)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows decode position 0 of request row 0, SGLang's padding row: every row they write is a
@@ -49,7 +52,9 @@ class BatchedBackend(V4PoolBackend):
         return 1
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
-        self._graph_index().stage_checkpoints(self.token_to_kv_pool.pending)
+        pool = self.token_to_kv_pool
+        pool.storage.tables.flush()
+        self._graph_index().stage_checkpoints(pool.checkpoints.pending)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.index = self._graph_index().build(forward_batch.req_pool_indices, forward_batch.seq_lens)
@@ -65,15 +70,15 @@ class BatchedBackend(V4PoolBackend):
             raise RuntimeError(f"{NAME}: attend before init_forward_metadata")
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        return attention.project_out(batched.attend(attention, layer, x, self.index, self.token_to_kv_pool))
+        return attention.project_out(batched.attend(attention, layer, x, self.index, self.token_to_kv_pool.storage))
 
 
-def batch_plan(pool: V4KVPool, forward_batch: ForwardBatch) -> batched.BatchPlan:
+def batch_plan(checkpoints: Checkpoints, forward_batch: ForwardBatch) -> batched.BatchPlan:
     """The forward's requests and the checkpoints it fills, as plain values."""
     spans = request_spans(forward_batch)
     snapshots = [
         batched.Snapshot(i, checkpoint.position, checkpoint.record)
         for i, span in enumerate(spans)
-        for checkpoint in pool.snapshots_between(span.request, span.start, span.start + span.length)
+        for checkpoint in checkpoints.between(span.request, span.start, span.start + span.length)
     ]
     return batched.BatchPlan([s.request for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots)

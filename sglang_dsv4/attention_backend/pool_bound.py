@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..memory_pool.pool import V4KVPool
+from ..kv_cache import V4KVPool
 
 
 class V4PoolBackend(AttentionBackend):

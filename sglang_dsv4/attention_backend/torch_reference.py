@@ -52,24 +52,24 @@ class TorchReferenceBackend(V4PoolBackend):
         A request's tokens run in pieces that end at its checkpoint positions, whose state
         records are copied as the layer passes them (the network is exact under chunking).
         """
-        pool = self.token_to_kv_pool
+        storage = self.token_to_kv_pool.storage
         out = torch.empty_like(x)
         for span, pieces in zip(self.spans, self.pieces, strict=True):
-            state = pool.load(layer, span.request, span.start, x.dtype)
+            state = storage.load(layer, span.request, span.start, x.dtype)
             start = span.start
             for piece_end, checkpoint in pieces:
                 rows = slice(span.offset + start - span.start, span.offset + piece_end - span.start)
                 out[rows] = attention(x[rows], start, state)
-                pool.store(layer, span.request, start, piece_end, state)
+                storage.store(layer, span.request, start, piece_end, state)
                 if checkpoint is not None:
-                    pool.snapshot(layer, span.request, checkpoint)
+                    storage.snapshot(layer, span.request, checkpoint.record)
                 start = piece_end
         return out
 
     def _pieces(self, span: RequestSpan) -> list[tuple[int, Checkpoint | None]]:
         """Where the span's pieces end, each with the checkpoint taken there (or None)."""
         end = span.start + span.length
-        snapshots = self.token_to_kv_pool.snapshots_between(span.request, span.start, end)
+        snapshots = self.token_to_kv_pool.checkpoints.between(span.request, span.start, end)
         pieces = [(c.position, c) for c in snapshots]
         if not pieces or pieces[-1][0] != end:
             pieces.append((end, None))

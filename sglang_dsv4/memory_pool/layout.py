@@ -21,7 +21,7 @@ Three lifetimes (DESIGN.md, "Memory lifecycle"):
   Every checkpoint is optional (a request without one finishes all the same, and a later turn
   resumes from the nearest one it has), so when records or window slots still run short the
   least recently used checkpoint goes, and then the new one is skipped
-  (:class:`~.pool.V4KVPool`).
+  (:class:`~.storage.V4PoolStorage`).
 
 Compressed entries: one row per block of the token pool, and one per request row (a request
 resumed inside a block writes that block's entry anew while the tree keeps the block's first
@@ -40,6 +40,7 @@ import torch
 from ..config import DeepseekV4Config
 
 STATE_DTYPE = torch.float32
+TABLE_DTYPE = torch.int64  # the request tables' cells: pool rows
 # Pools per series of an online compressor state: a ratio-4 compressor keeps the current
 # block's two halves and the previous block's first half; a ratio-128 one its current block.
 OVERLAPPING_POOLS, DISJOINT_POOLS = 3, 1
@@ -180,6 +181,12 @@ class PoolLayout:
         return (
             sum(b.dim * self.kv_bytes for b in self.compressed_buffers()) + self.window_slot_bytes + self.record_bytes
         )
+
+    def request_table_bytes(self, context: int) -> int:
+        """One request row's tables at ``context`` positions (a window slot per position, an entry row
+        per block of each ratio): what the device twin of the request tables holds per row on a GPU."""
+        ratios = {b.ratio for b in self.compressed_buffers()}
+        return TABLE_DTYPE.itemsize * (context + 1 + sum(context // r + 1 for r in ratios))
 
     def bytes_for(self, context: int) -> float:
         """Bytes one running request holds at ``context`` tokens."""

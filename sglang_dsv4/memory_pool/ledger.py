@@ -6,7 +6,7 @@ Two layouts side by side, for any V4 config:
   describe (V4-Flash: 3,850 B/token, 14.7 MiB per request; V4-Pro: 5,511 B/token,
   22.2 MiB): FP8-packed KV entries, FP8 indexer keys, and the compressors' partial blocks
   kept as raw float32 rows;
-* *ours*, read from :class:`~.layout.PoolLayout` — the definitions :class:`~.pool.V4KVPool`
+* *ours*, read from :class:`~.layout.PoolLayout` — the definitions :class:`~.storage.V4PoolStorage`
   allocates from, so the figure a user reads is the figure the server uses: entries and
   indexer keys in the KV dtype, the window as a per-request ring, and the compressor state
   as float32 online softmax pools (DESIGN.md, "The state of one request").
@@ -221,9 +221,15 @@ class RankLedger:
         """What SGLang's static share of an H200 leaves for the pools once the weights are in."""
         return mem_fraction_static * H200_BYTES - sum(self.weight_bytes().values())
 
+    @property
+    def device_table_bytes(self) -> int:
+        """A request row's request tables on the GPU, at the served context (the config's, SGLang's default)."""
+        return self.kv.request_table_bytes(self.config.max_position_embeddings)
+
     def session_bytes(self, context: int) -> float:
-        """One running session at ``context`` tokens with its share of the prefix cache's checkpoints."""
-        return self.kv.bytes_per_token * context + self.kv.bytes_per_request
+        """One running session at ``context`` tokens with its share of the prefix cache's checkpoints,
+        and its row's request tables."""
+        return self.kv.bytes_per_token * context + self.kv.bytes_per_request + self.device_table_bytes
 
     def table(self, mem_fraction_static: float, contexts: Sequence[int], title: str) -> str:
         weights = self.weight_bytes()
@@ -240,6 +246,10 @@ class RankLedger:
             ("left for the KV pools", _gib(pools)),
             (f"KV bytes per token ({_dtype_name(self.kv_dtype)}, whole on every GPU)", f"{kv.bytes_per_token:,.0f} B"),
             ("fixed bytes per request (running, with its checkpoints)", _mib(kv.bytes_per_request)),
+            (
+                f"request tables per request row ({self.config.max_position_embeddings:,} positions)",
+                _mib(self.device_table_bytes),
+            ),
             *(
                 (
                     f"concurrent {context:,}-token sessions",

@@ -19,19 +19,72 @@ behind each snapshot position); ``all_committed`` keeps every slot the request w
 until it is freed, so its final checkpoint commits them all (upstream's behaviour), as far
 as the window slots allow: a forward they cannot hold keeps what ``per_request`` keeps, and
 under pressure every row falls back to it (:meth:`RequestTables.trim_all`).
+
+The scheduler changes the tables on the host (allocating rows is host work); the forward reads
+them on the device. Each table is a :class:`MirroredTable`: written on the host, its changed
+cells copied to a device twin in one transfer when a forward begins (:meth:`RequestTables.flush`,
+which the attention backend calls before it builds the forward's index). A forward in flight on
+the device's stream reads the twin as it was when it was launched. On the CPU the twin is the
+host table itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from .layout import TABLE_DTYPE
 from .shared_rows import SharedRows
 
 
 class UnboundRequestRow(RuntimeError):
     """A forward for a row no request was bound to: the dsv4 radix cache is not in use."""
+
+
+class MirroredTable:
+    """An int64 table of pool rows written on the host, read by forwards from its ``device`` twin.
+
+    :meth:`write` changes the host table at once and notes the cells; :meth:`flush` copies the
+    noted cells' current values to the twin, so the last write of a cell wins however often the
+    scheduler rewrote it in between.
+    """
+
+    def __init__(self, rows: int, columns: int, device: torch.device):
+        self.host = torch.zeros(rows, columns, dtype=TABLE_DTYPE)
+        self.device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self._changed: list[torch.Tensor] = []
+
+    def write(self, row: int, columns: torch.Tensor | slice, values: torch.Tensor | int) -> None:
+        """``host[row, columns] = values``, and the cells noted for the next flush."""
+        self.host[row, columns] = values
+        if self.device is not self.host:
+            width = self.host.shape[1]
+            if isinstance(columns, slice):
+                columns = torch.arange(*columns.indices(width))
+            self._changed.append(row * width + columns)
+
+    @property
+    def device_bytes(self) -> int:
+        """The twin's bytes where it is a tensor of its own (on a GPU), else 0."""
+        return 0 if self.device is self.host else self.device.numel() * self.device.element_size()
+
+    def flush(self) -> None:
+        if not self._changed:
+            return
+        cells = torch.unique(torch.cat(self._changed))
+        self._changed.clear()
+        values = self.host.view(-1)[cells]
+        self.device.view(-1)[cells.to(self.device.device)] = values.to(self.device.device)
+
+
+@dataclass(frozen=True)
+class DeviceTables:
+    """The request tables as a forward reads them (the batched core's ``RequestTableStorage``)."""
+
+    window_table: torch.Tensor
+    entry_table: dict[int, torch.Tensor]
 
 
 class RequestTables:
@@ -44,6 +97,7 @@ class RequestTables:
         window_slots: SharedRows,
         entry_rows: dict[int, SharedRows],
         num_tokens: int,
+        device: torch.device | str = "cpu",
     ):
         self.ratios = sorted(set(ratios))
         self.request_rows = request_rows
@@ -51,8 +105,13 @@ class RequestTables:
         self.window_slots = window_slots
         self.entry_rows = entry_rows
         self.num_tokens = num_tokens
-        self.window_table = torch.zeros(request_rows, max_context + 1, dtype=torch.int64)
-        self.entry_table = {r: torch.zeros(request_rows, max_context // r + 1, dtype=torch.int64) for r in self.ratios}
+        device = torch.device(device)
+        self._window = MirroredTable(request_rows, max_context + 1, device)
+        self._entries = {r: MirroredTable(request_rows, max_context // r + 1, device) for r in self.ratios}
+        # The host tables, read by the scheduler's side (written only through the mirrors).
+        self.window_table = self._window.host
+        self.entry_table = {r: table.host for r, table in self._entries.items()}
+        self.on_device = DeviceTables(self._window.device, {r: table.device for r, table in self._entries.items()})
         self.entry_count = {r: [0] * request_rows for r in self.ratios}
         self.position = [0] * request_rows  # tokens the row's state has run through
         self.last_step = [0] * request_rows  # tokens of the row's last forward
@@ -62,6 +121,21 @@ class RequestTables:
         # Called when a row's forward of tokens start .. end - 1 is reserved (the pool plans its snapshots).
         self.on_reserve: Callable[[int, int, int], None] = lambda row, start, end: None
         self.on_free: Callable[[int], None] = lambda row: None
+
+    def flush(self) -> None:
+        """Bring the device tables up to date with the host's (before a forward reads them)."""
+        self._window.flush()
+        for table in self._entries.values():
+            table.flush()
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device twins hold (0 on the CPU, where the twins are the host tables)."""
+        return self._window.device_bytes + sum(table.device_bytes for table in self._entries.values())
+
+    def write_entries(self, ratio: int, row: int, blocks: torch.Tensor | slice, rows: torch.Tensor | int) -> None:
+        """Point the row's ``blocks`` at entry rows ``rows``."""
+        self._entries[ratio].write(row, blocks, rows)
 
     @property
     def dense_capacity(self) -> int:
@@ -80,12 +154,12 @@ class RequestTables:
         self.last_step[row] = 0
         if window is not None and len(window):
             self.window_slots.share(window)
-            self.window_table[row, position - len(window) : position] = window
+            self._window.write(row, slice(position - len(window), position), window)
         self.held_from[row] = position - (0 if window is None else len(window))
         for ratio in self.ratios:
             rows = entries[ratio] if entries else torch.zeros(0, dtype=torch.int64)
             self.entry_rows[ratio].share(rows)
-            self.entry_table[ratio][row, : len(rows)] = rows
+            self.write_entries(ratio, row, slice(0, len(rows)), rows)
             self.entry_count[ratio][row] = len(rows)
 
     def reserve(self, row: int, target: int) -> None:
@@ -108,11 +182,11 @@ class RequestTables:
             self.trim(row, start - self.window - 1)
         # What the next forward and a checkpoint one decode step late read.
         own = torch.arange(max(start, target - self.window - 1), target)
-        self.window_table[row, own] = self.window_slots.alloc(len(own))
+        self._window.write(row, own, self.window_slots.alloc(len(own)))
         for ratio in self.ratios:
             have, need = self.entry_count[ratio][row], target // ratio
             if need > have:
-                self.entry_table[ratio][row, have:need] = self.entry_rows[ratio].alloc(need - have)
+                self.write_entries(ratio, row, slice(have, need), self.entry_rows[ratio].alloc(need - have))
                 self.entry_count[ratio][row] = need
         self.position[row], self.last_step[row] = target, target - start
         if self.window_policy == "all_committed":
@@ -127,7 +201,7 @@ class RequestTables:
         slots = self.window_slots.try_alloc(len(missing))
         if slots is None:
             return False
-        self.window_table[row, missing] = slots
+        self._window.write(row, missing, slots)
         return True
 
     def release_window(self, row: int, positions: torch.Tensor) -> None:
@@ -135,15 +209,15 @@ class RequestTables:
         has not run skips them."""
         positions = positions[positions >= self.held_from[row]]
         self.window_slots.release(self.window_table[row, positions])
-        self.window_table[row, positions] = 0
+        self._window.write(row, positions, 0)
 
     def trim(self, row: int, keep_from: int) -> None:
         """Release the row's window slots below position ``keep_from``."""
         if keep_from <= self.held_from[row]:
             return
-        held = self.window_table[row, self.held_from[row] : keep_from]
-        self.window_slots.release(held)
-        held.zero_()
+        held = slice(self.held_from[row], keep_from)
+        self.window_slots.release(self.window_table[row, held])
+        self._window.write(row, held, 0)
         self.held_from[row] = keep_from
 
     def trim_all(self) -> bool:
@@ -181,12 +255,13 @@ class RequestTables:
         if not self.bound[row]:
             return
         self.on_free(row)
-        self.window_slots.release(self.window_table[row, self.held_from[row] : self.position[row]])
-        self.window_table[row].zero_()
+        held = slice(self.held_from[row], self.position[row])
+        self.window_slots.release(self.window_table[row, held])
+        self._window.write(row, held, 0)
         for ratio in self.ratios:
             count = self.entry_count[ratio][row]
             self.entry_rows[ratio].release(self.entry_table[ratio][row, :count])
-            self.entry_table[ratio][row, :count] = 0
+            self.write_entries(ratio, row, slice(0, count), 0)
             self.entry_count[ratio][row] = 0
         self.bound[row] = False
         self.position[row] = self.held_from[row] = self.last_step[row] = 0

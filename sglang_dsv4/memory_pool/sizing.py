@@ -4,7 +4,9 @@ SGLang's default configurator divides the budget by an MHA-shaped cell size and 
 derives thousands of request rows from the token count. A V4 request holds fixed bytes
 whatever its length (its window ring and compressor state) plus bytes per token of
 context, so the budget is split with :class:`~.layout.PoolLayout`'s two numbers:
-``tokens = (budget - rows x bytes_per_request) / bytes_per_token``.
+``tokens = (budget - rows x bytes_per_request) / bytes_per_token``. On a GPU each request row also
+has its request tables' device twin (:meth:`~.layout.PoolLayout.request_table_bytes` at the served
+context), counted among its fixed bytes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class V4PoolConfigurator(MemoryPoolConfigurator):
-    def __init__(self, layout: PoolLayout, max_running_requests: int | None):
+    def __init__(self, layout: PoolLayout, max_running_requests: int | None, device_table_context: int):
+        """``device_table_context``: the context of the request tables the device holds twins of
+        (0 where the tables stay on the host, as on the CPU)."""
         self.layout = layout
         self.request_rows = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        self.bytes_per_row = layout.bytes_per_request + (
+            layout.request_table_bytes(device_table_context) if device_table_context else 0
+        )
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> MemoryPoolConfig:
-        fixed = (self.request_rows + 1) * self.layout.bytes_per_request + self.layout.padding_bytes
+        fixed = (self.request_rows + 1) * self.bytes_per_row + self.layout.padding_bytes
         tokens = int(max(available_bytes - fixed, 0) // self.layout.bytes_per_token)
         if tokens < page_size:
             raise ValueError(

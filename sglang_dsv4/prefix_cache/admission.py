@@ -8,7 +8,7 @@ checks here first let the prefix cache give back what it can (its least recently
 checkpoints, all_committed windows beyond what a forward reads), and then answer as SGLang
 does when its token pool runs out: the request stays queued (``NO_TOKEN``), or decoding
 requests are retracted, and the scheduler keeps running. Checkpoints, being optional, never
-hold a request back: the pool skips them instead (:class:`~sglang_dsv4.memory_pool.pool.V4KVPool`).
+hold a request back: the pool skips them instead (:class:`~.checkpoints.Checkpoints`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..memory_pool.pool import V4KVPool
+from ..kv_cache import V4KVPool
 from ..settings import settings
 from . import MODE_CODES
 from .tree import V4RadixCache

@@ -36,8 +36,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from ..kv_cache import V4KVPool
 from ..memory_pool.checkpoint import Checkpoint
-from ..memory_pool.pool import V4KVPool
 from . import PREFIX_HITS, WINDOW_POLICIES
 
 ALIGNED_PAGE = 256  # upstream's V4 page: it reuses prefixes in multiples of it
@@ -70,26 +70,26 @@ class V4RadixCache(RadixCache):
         if prefix_hits is not None:
             self.prefix_hits = prefix_hits
         if window_policy is not None:
-            self.pool.tables.window_policy = window_policy
+            self.pool.storage.tables.window_policy = window_policy
         exact = self.prefix_hits == "exact"
-        self.pool.snapshot_interval = 0 if self.disable else (self.checkpoint_interval if exact else ALIGNED_PAGE)
-        self.pool.snapshot_before_extend_end = exact and not self.disable
+        self.pool.checkpoints.interval = 0 if self.disable else (self.checkpoint_interval if exact else ALIGNED_PAGE)
+        self.pool.checkpoints.before_extend_end = exact and not self.disable
 
     def modes(self) -> dict[str, object]:
         return {
             "prefix_hits": self.prefix_hits,
-            "window_policy": self.pool.tables.window_policy,
-            "checkpoint_interval": self.pool.snapshot_interval,
+            "window_policy": self.pool.storage.tables.window_policy,
+            "checkpoint_interval": self.pool.checkpoints.interval,
         }
 
     # --- SGLang's calls -----------------------------------------------------------------------
 
     def reset(self) -> None:
         for checkpoint in self.checkpoints.values():
-            self.pool.release(checkpoint)
+            self.pool.checkpoints.release(checkpoint)
         self.checkpoints.clear()
         if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
-            self.pool.release_slots(self.all_values_flatten())
+            self.pool.entries.release_slots(self.all_values_flatten())
         super().reset()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -116,50 +116,50 @@ class V4RadixCache(RadixCache):
         # The row now reads the tree's slots; its own copies of them were freed by the insert,
         # and so go its entries of blocks the tree already had.
         self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
-        self.pool.adopt_entries(row, tree_slots, protected, max(existing, protected))
-        self.pool.commit_entries(row, tree_slots, max(existing, protected), len(tree_slots))
+        self.pool.entries.adopt(row, tree_slots, protected, max(existing, protected))
+        self.pool.entries.commit(row, tree_slots, max(existing, protected), len(tree_slots))
         req.kv.cache_protected_len = len(tree_slots)
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
 
-        for snapshot in self.pool.take_snapshots(row, up_to):
+        for snapshot in self.pool.checkpoints.take(row, up_to):
             self._attach(radix_key, snapshot)
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
         # all_committed, also keeps every window slot the request held (in aligned mode, unless at
         # a page boundary, that is all it does: the tree holds them until evicted).
-        commit_all = req.finished() and self.pool.tables.window_policy == "all_committed"
+        commit_all = req.finished() and self.pool.storage.tables.window_policy == "all_committed"
         if self.prefix_hits == "exact" or commit_all:
-            live = self.pool.checkpoint(row, up_to, commit_all)
+            live = self.pool.checkpoints.make(row, up_to, commit_all)
             if live is not None:
                 self._attach(radix_key, live)
 
     def maybe_hand_to_session(self, req) -> None:
         """Right after SGLang gives a request its row: bind the row, resuming at the match."""
         row = req.kv.req_pool_idx
-        if self.pool.tables.bound[row]:
+        if self.pool.storage.tables.bound[row]:
             return  # a later chunk of a running request
         if req.prefix_len > 0:
             checkpoint = self.checkpoints.get(req.last_node)
             if checkpoint is None or checkpoint.position != req.prefix_len:
                 raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
-            self.pool.resume(row, checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
+            self.pool.checkpoints.resume(row, checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
         else:
-            self.pool.start(row)
-        self.pool.tables.reserve(row, req.kv.kv_allocated_len)
+            self.pool.storage.tables.bind(row)
+        self.pool.storage.tables.reserve(row, req.kv.kv_allocated_len)
 
     def window_slots_for_prefill(self, tokens: int) -> int:
         """Window slots a prefill of ``tokens`` tokens needs at least: its last ``sliding_window + 1``."""
-        return min(tokens, self.pool.config.sliding_window + 1)
+        return min(tokens, self.pool.storage.config.sliding_window + 1)
 
     def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
         """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``
         (the match of the request asking, not locked yet)."""
         if keep is None or keep is self.root_node:
-            return self.pool.room_for_windows(count)
+            return self.pool.storage.room_for_windows(count)
         self.inc_lock_ref(keep)
         try:
-            return self.pool.room_for_windows(count)
+            return self.pool.storage.room_for_windows(count)
         finally:
             self.dec_lock_ref(keep)
 
@@ -172,14 +172,14 @@ class V4RadixCache(RadixCache):
         if not candidates:
             return False
         _, _, node = min(candidates)
-        self.pool.release(self.checkpoints.pop(node))
+        self.pool.checkpoints.release(self.checkpoints.pop(node))
         return True
 
     def _delete_leaf(self, node: TreeNode) -> None:
         checkpoint = self.checkpoints.pop(node, None)
         if checkpoint is not None:
-            self.pool.release(checkpoint)
-        self.pool.release_slots(node.value)
+            self.pool.checkpoints.release(checkpoint)
+        self.pool.entries.release_slots(node.value)
         super()._delete_leaf(node)
 
     def _evict_some_tokens(self) -> bool:
@@ -205,7 +205,7 @@ class V4RadixCache(RadixCache):
         """Hang ``checkpoint`` on the node ending at its position (splitting one if needed)."""
         _, node = self._match_prefix_helper(self.root_node, radix_key[: checkpoint.position])
         if node is self.root_node or self._depth(node) != checkpoint.position or node in self.checkpoints:
-            self.pool.release(checkpoint)  # the position is already covered (or not in the tree)
+            self.pool.checkpoints.release(checkpoint)  # the position is already covered (or not in the tree)
             if node in self.checkpoints:
                 self.checkpoints[node].touch()
             return
@@ -217,8 +217,8 @@ class V4RadixCache(RadixCache):
         slots = int(torch.unique(torch.cat(windows)).numel()) if windows else 0
         return {
             "checkpoints": len(self.checkpoints),
-            "checkpoint_window_bytes": slots * self.pool.layout.window_slot_bytes,
-            "checkpoints_skipped": dict(self.pool.checkpoints_skipped),
+            "checkpoint_window_bytes": slots * self.pool.storage.layout.window_slot_bytes,
+            "checkpoints_skipped": dict(self.pool.checkpoints.skipped),
             "requests_held_back": dict(self.held_back),
         }
 
@@ -238,21 +238,26 @@ class V4RadixCache(RadixCache):
                 nodes.append(child)
         for checkpoint in sorted(self.checkpoints.values(), key=lambda c: (c.position, c.record)):
             digest.update(repr((checkpoint.position, checkpoint.record, checkpoint.window.tolist())).encode())
-        pool = self.pool
-        for rows in (pool.window_slots, pool.records, *pool.entry_rows.values()):
+        storage = self.pool.storage
+        for rows in (storage.window_slots, storage.records, *storage.entry_rows.values()):
             digest.update(rows.refs.numpy().tobytes())
         return digest.hexdigest()
 
     def audit(self) -> dict[str, int]:
         """Rows whose reference count differs from what the rows, checkpoints and pending
         snapshots hold, per kind of row (all zero when nothing leaked or was freed twice)."""
-        pool, tables = self.pool, self.pool.tables
-        expected = {"window_slots": [], "checkpoint_records": [], **{f"ratio_{r}_entries": [] for r in pool.entry_rows}}
-        holders = [*self.checkpoints.values(), *(c for pending in pool.pending.values() for c in pending)]
+        storage, tables = self.pool.storage, self.pool.storage.tables
+        pending = self.pool.checkpoints.pending
+        expected = {
+            "window_slots": [],
+            "checkpoint_records": [],
+            **{f"ratio_{r}_entries": [] for r in storage.entry_rows},
+        }
+        holders = [*self.checkpoints.values(), *(c for row in pending.values() for c in row)]
         for checkpoint in holders:
             expected["window_slots"].append(checkpoint.window)
             expected["checkpoint_records"].append(torch.tensor([checkpoint.record]))
-        for ratio, of_slot in pool.entry_of_slot.items():
+        for ratio, of_slot in self.pool.entries.of_slot.items():
             expected[f"ratio_{ratio}_entries"].append(of_slot)
         for row in range(tables.request_rows):
             if tables.bound[row]:
@@ -260,8 +265,8 @@ class V4RadixCache(RadixCache):
                 for ratio in tables.ratios:
                     count = tables.entry_count[ratio][row]
                     expected[f"ratio_{ratio}_entries"].append(tables.entries(row, ratio, 0, count))
-        shared = {"window_slots": pool.window_slots, "checkpoint_records": pool.records}
-        shared.update({f"ratio_{r}_entries": rows for r, rows in pool.entry_rows.items()})
+        shared = {"window_slots": storage.window_slots, "checkpoint_records": storage.records}
+        shared.update({f"ratio_{r}_entries": rows for r, rows in storage.entry_rows.items()})
         report = {}
         for name, rows in shared.items():
             counts = torch.zeros_like(rows.refs)

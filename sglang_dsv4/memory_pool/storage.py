@@ -1,0 +1,177 @@
+"""The V4 pool's rows, as plain torch tensors: window slots per token, compressed entries per
+block, compressor-state records per request row and per checkpoint.
+
+The network's :class:`~sglang_dsv4.model.state.LayerState` is the contract: the storage
+loads a request's layer state at position P from its rows (:meth:`V4PoolStorage.load`) and
+stores what a forward advanced it to (:meth:`V4PoolStorage.store`); the batched backend reads
+and writes the same tensors in place. Which rows a request holds is in its
+:class:`~.request_tables.RequestTables`; who else shares them, by reference count, in the
+:class:`~.shared_rows.SharedRows` of each kind. What a checkpoint is and which entries the
+prefix cache owns belong to :mod:`sglang_dsv4.prefix_cache`; the SGLang ``KVCache`` that
+carries all of it is :class:`sglang_dsv4.kv_cache.V4KVPool`. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import DeepseekV4Config
+from ..model.compressor import CompressorState, SoftmaxPool
+from ..model.state import LayerState
+from .layout import STATE_DTYPE, PoolLayout, StateBuffer
+from .request_tables import RequestTables
+from .shared_rows import SharedRows
+
+
+class V4PoolStorage:
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        kv_dtype: torch.dtype,
+        *,
+        num_tokens: int,
+        max_requests: int,
+        max_context: int,
+        device: torch.device | str,
+    ):
+        self.config, self.dtype, self.device = config, kv_dtype, torch.device(device)
+        self.layout = layout = PoolLayout(config, kv_dtype)
+        request_rows = max_requests + 1
+        compressed = layout.compressed_buffers()
+        self.window_slots = SharedRows(request_rows * layout.window_slots_per_request, "window slots")
+        self.entry_rows = {
+            r: SharedRows(layout.entry_rows(r, num_tokens, request_rows), f"ratio-{r} entry rows")
+            for r in {b.ratio for b in compressed}
+        }
+        self.records = SharedRows(layout.checkpoint_records_per_request_row * request_rows, "checkpoint records")
+        self.tables = RequestTables(
+            [b.ratio for b in compressed],
+            request_rows,
+            max_context,
+            config.sliding_window,
+            self.window_slots,
+            self.entry_rows,
+            num_tokens,
+            self.device,
+        )
+        slots = self.window_slots.capacity + 1
+        self.window = [
+            torch.zeros(slots, config.head_dim, dtype=kv_dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.ratio = {(b.layer, b.kind): b.ratio for b in compressed}
+        self.compressed = {
+            (b.layer, b.kind): torch.zeros(self.entry_rows[b.ratio].capacity + 1, b.dim, dtype=kv_dtype, device=device)
+            for b in compressed
+        }
+        states = layout.state_buffers()
+        self.state = {(b.layer, b.kind): self._records(request_rows, b) for b in states}
+        # Each row's record one token back: where a checkpoint a decode step late reads (see save_record).
+        self.previous_state = {(b.layer, b.kind): self._records(request_rows, b) for b in states}
+        self.checkpoint_state = {(b.layer, b.kind): self._records(self.records.capacity + 1, b) for b in states}
+
+    def _records(self, rows: int, buffer: StateBuffer) -> torch.Tensor:
+        return torch.zeros(rows, buffer.pools, 3, buffer.dim, dtype=STATE_DTYPE, device=self.device)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Device bytes of the rows, and of the request tables' device twins where they are separate."""
+        tensors = [
+            *self.window,
+            *self.compressed.values(),
+            *self.state.values(),
+            *self.previous_state.values(),
+            *self.checkpoint_state.values(),
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.tables.device_bytes
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per kind of row: how many there are and how many are free."""
+        return {
+            "window_slots": self.window_slots.usage(),
+            "checkpoint_records": self.records.usage(),
+            **{f"ratio_{r}_entries": rows.usage() for r, rows in sorted(self.entry_rows.items())},
+        }
+
+    def room_for_windows(self, count: int) -> bool:
+        """Whether ``count`` window slots are free once the cache and all_committed rows give
+        back what they can (SGLang's admission and decode checks ask before a forward's rows
+        are reserved; snapshots of forwards in flight are kept)."""
+        return self.window_slots.make_room(count, self.window_slots.reclaim, self.tables.trim_all)
+
+    # --- state records ---------------------------------------------------------------------
+
+    def save_record(self, request: int, record: int, *, one_step_back: bool = False) -> None:
+        """Copy the row's state records (every layer's, or those one token back) into checkpoint record ``record``."""
+        source = self.previous_state if one_step_back else self.state
+        for key, records in source.items():
+            self.checkpoint_state[key][record] = records[request]
+
+    def restore_record(self, request: int, record: int) -> None:
+        """The row continues from checkpoint record ``record``."""
+        for key, records in self.state.items():
+            records[request] = self.checkpoint_state[key][record]
+
+    def snapshot(self, layer: int, request: int, record: int) -> None:
+        """Copy the layer's state records of ``request`` into checkpoint record ``record``."""
+        for (record_layer, kind), records in self.state.items():
+            if record_layer == layer:
+                self.checkpoint_state[(layer, kind)][record] = records[request]
+
+    # --- one request's layer state (the torch reference) -------------------------------------
+
+    def load(self, layer: int, request: int, start: int, dtype: torch.dtype) -> LayerState:
+        """The layer's state of ``request`` after ``start`` tokens, its KV in the compute ``dtype``."""
+        first = max(0, start - self.config.sliding_window)
+        window = self.window[layer][self.tables.window_rows(request, first, start)].to(dtype)
+        return LayerState(
+            window,
+            self._load_compressor(layer, "entries", "compressor", request, start, dtype),
+            self._load_compressor(layer, "indexer_keys", "indexer", request, start, dtype),
+        )
+
+    def store(self, layer: int, request: int, start: int, end: int, state: LayerState) -> None:
+        """Write back the state a forward of tokens ``start .. end - 1`` advanced to."""
+        # Only the new tokens' rows changed; positions the row keeps no slot for are skipped.
+        slots = self.tables.window_rows(request, start, end)
+        kept = slots > 0
+        self.window[layer][slots[kept]] = state.added[kept].to(self.dtype)
+        self._store_compressor(layer, "entries", "compressor", request, start, end, state.compressor)
+        self._store_compressor(layer, "indexer_keys", "indexer", request, start, end, state.indexer)
+
+    def _load_compressor(
+        self, layer: int, kind: str, state_kind: str, request: int, start: int, dtype: torch.dtype
+    ) -> CompressorState | None:
+        key = (layer, kind)
+        if key not in self.compressed:
+            return None
+        ratio = self.ratio[key]
+        entries = self.compressed[key][self.tables.entries(request, ratio, 0, start // ratio)].to(dtype)
+        record = self.state[(layer, state_kind)][request]
+        if start == 0:  # a new request: whatever the row held belongs to an earlier one
+            record = torch.zeros_like(record)
+            record[:, 0] = float("-inf")
+        pools = [
+            SoftmaxPool(record[i, 0].clone(), record[i, 1].clone(), record[i, 2].clone()) for i in range(len(record))
+        ]
+        if len(pools) == 1:
+            return CompressorState(entries, pools[0], None, None)
+        current, next_half, previous_half = pools
+        return CompressorState(entries, current, next_half, previous_half)
+
+    def _store_compressor(
+        self, layer: int, kind: str, state_kind: str, request: int, start: int, end: int, state: CompressorState | None
+    ) -> None:
+        if state is None:
+            return
+        key = (layer, kind)
+        ratio = self.ratio[key]
+        first_new, total = start // ratio, state.entries.shape[0]
+        if total > first_new:
+            rows = self.tables.entries(request, ratio, first_new, total)
+            self.compressed[key][rows] = state.entries[first_new:].to(self.dtype)
+        pools = [state.current] if state.next_half is None else [state.current, state.next_half, state.previous_half]
+        record = self.state[(layer, state_kind)][request]
+        if end - start == 1:  # keep the record one token back (see save_record)
+            self.previous_state[(layer, state_kind)][request] = record
+        for i, pool in enumerate(pools):
+            record[i, 0], record[i, 1], record[i, 2] = pool.max, pool.denom, pool.weighted

@@ -1,0 +1,61 @@
+"""Which compressed entries the prefix cache owns: those of blocks whose last token it caches.
+
+A block's entry (and indexer key) is persistent KV: it lives as long as the tree keeps the
+token slot of the block's last token. The tree commits a request's blocks when it inserts
+the request's tokens, adopts its own rows for blocks it already had, and lets the rows go
+with the token slots it evicts; a request resumed from a checkpoint shares the entries of
+its prefix from here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory_pool.storage import V4PoolStorage
+
+
+class EntryOwnership:
+    def __init__(self, storage: V4PoolStorage):
+        self.storage = storage
+        # Per ratio, the entry row of each block whose last token's slot the tree holds (0: none).
+        self.of_slot = {r: torch.zeros(storage.tables.num_tokens + 1, dtype=torch.int64) for r in storage.entry_rows}
+
+    def commit(self, request: int, slots: torch.Tensor, first: int, last: int) -> None:
+        """The tree now holds token slots ``slots[first:last]`` of ``request``: each block ending
+        there keeps its entry row for as long as the slot lives."""
+        tables, entry_rows = self.storage.tables, self.storage.entry_rows
+        for ratio, ends in self._block_ends(first, last).items():
+            rows = tables.entry_table[ratio][request, (ends + 1) // ratio - 1]
+            entry_rows[ratio].share(rows)
+            self.of_slot[ratio][slots[ends].long()] = rows
+
+    def adopt(self, request: int, slots: torch.Tensor, first: int, last: int) -> None:
+        """``request`` computed tokens ``first .. last - 1`` again while the tree already held them
+        (at ``slots``): its entries of blocks ending there become the tree's, its own go back."""
+        tables, entry_rows = self.storage.tables, self.storage.entry_rows
+        for ratio, ends in self._block_ends(first, last).items():
+            blocks = (ends + 1) // ratio - 1
+            ours = tables.entry_table[ratio][request, blocks]
+            theirs = self.of_slot[ratio][slots[ends].long()]
+            entry_rows[ratio].share(theirs)
+            entry_rows[ratio].release(ours)
+            tables.write_entries(ratio, request, blocks, theirs)
+
+    def release_slots(self, slots: torch.Tensor) -> None:
+        """The tree let token slots go: the entry rows they kept go with them."""
+        slots = slots.long()
+        for ratio, of_slot in self.of_slot.items():
+            self.storage.entry_rows[ratio].release(of_slot[slots])
+            of_slot[slots] = 0
+
+    def of_prefix(self, prefix_slots: torch.Tensor, position: int) -> dict[int, torch.Tensor]:
+        """Per ratio, the entry rows of the complete blocks of a cached prefix of ``position`` tokens."""
+        entries = {r: of_slot[prefix_slots[r - 1 : position : r].long()] for r, of_slot in self.of_slot.items()}
+        if any((rows == 0).any() for rows in entries.values()):
+            raise AssertionError("a checkpoint's prefix has a block without an entry row")
+        return entries
+
+    def _block_ends(self, first: int, last: int) -> dict[int, torch.Tensor]:
+        """Per ratio, the positions in ``first .. last - 1`` that end a block."""
+        starts = {r: first + (-first - 1) % r for r in self.of_slot}
+        return {r: torch.arange(start, max(start, last), r) for r, start in starts.items()}

@@ -10,6 +10,7 @@ from conftest import random_ids
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.request_tables import DeviceTables, RequestTables
 from sglang_dsv4.memory_pool.shared_rows import SharedRows
+from sglang_dsv4.memory_pool.window_policy import ALL_COMMITTED, PER_REQUEST
 from sglang_dsv4.model.state import RequestState
 
 
@@ -204,7 +205,7 @@ def test_room_for_windows_counts_only_what_running_requests_can_give_back(tiny_m
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 3 * (window + 1))
     pool.set_reclaim(lambda: False, lambda: False)
-    pool.storage.tables.window_policy = "all_committed"
+    pool.storage.tables.window_policy = ALL_COMMITTED
     pool.storage.tables.bind(1)
     pool.storage.tables.reserve(1, 300)  # all_committed: every token's slot
     pool.storage.tables.reserve(1, 301)
@@ -285,7 +286,7 @@ def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_
     for step in range(60):
         copied = tables.on_device.window_table.clone()
         row = int(torch.randint(1, 5, (1,), generator=generator))
-        tables.window_policy = ("per_request", "all_committed")[step % 2]
+        tables.window_policy = (PER_REQUEST, ALL_COMMITTED)[step % 2]
         if not tables.bound[row]:
             if checkpoints and step % 3 == 0:
                 pool.checkpoints.resume(row, checkpoints.pop(), slots)

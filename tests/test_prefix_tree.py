@@ -23,7 +23,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_pool import make_scarce
 
 from sglang_dsv4.kv_cache import V4KVPool
-from sglang_dsv4.prefix_cache.tree import ALIGNED_PAGE, V4RadixCache
+from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
+from sglang_dsv4.prefix_cache.tree import V4RadixCache
 
 TOKENS, ROWS, CONTEXT = 3000, 6, 1400
 
@@ -172,7 +173,7 @@ def check(scheduler: Scheduler) -> None:
     owned = sum(r.kv.kv_allocated_len - r.kv.cache_protected_len for r in scheduler.running)
     assert slots.available_size() + tree.evictable_size() + tree.protected_size() + owned == TOKENS
     query = scheduler.rng.choice(scheduler.sequences)[: scheduler.rng.randrange(1, CONTEXT)]
-    aligned = tree.prefix_hits == "aligned"
+    aligned = tree.modes()["prefix_hits"] == "aligned"
     usable = [len(p) for p in prefixes if len(p) <= len(query) and (not aligned or len(p) % ALIGNED_PAGE == 0)]
     expected = max([n for n in usable if tuple(query[:n]) in prefixes] + [0])
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query)))).device_prefix_len == expected

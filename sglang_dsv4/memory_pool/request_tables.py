@@ -13,12 +13,12 @@ and returned when SGLang frees the request's row (``free``), on every path it fr
 requests. A row is bound to a request (fresh, or resumed from a checkpoint) by the
 prefix cache when SGLang allocates it; see :mod:`sglang_dsv4.prefix_cache.tree`.
 
-Window policy: ``per_request`` keeps only the slots a forward or a checkpoint can still
-read (the last window plus one token, SGLang's one-step scheduling lag, and the window
-behind each snapshot position); ``all_committed`` keeps every slot the request wrote
-until it is freed, so its final checkpoint commits them all (upstream's behaviour), as far
-as the window slots allow: a forward they cannot hold keeps what ``per_request`` keeps, and
-under pressure every row falls back to it (:meth:`RequestTables.trim_all`).
+Window policy (:mod:`.window_policy`): ``per_request`` keeps only the slots a forward or a
+checkpoint can still read (the last window plus one token, SGLang's one-step scheduling lag,
+and the window behind each snapshot position); ``all_committed`` keeps every slot the request
+wrote until it is freed, as far as the window slots allow: a forward they cannot hold keeps
+what ``per_request`` keeps, and under pressure every row falls back to it
+(:meth:`RequestTables.trim_all`).
 
 The scheduler changes the tables on the host (allocating rows is host work); the forward reads
 them on the device. Each table is a :class:`MirroredTable`: written on the host, its changed
@@ -37,6 +37,7 @@ import torch
 
 from .layout import TABLE_DTYPE
 from .shared_rows import SharedRows
+from .window_policy import PER_REQUEST, WindowPolicy
 
 
 class UnboundRequestRow(RuntimeError):
@@ -117,7 +118,7 @@ class RequestTables:
         self.last_step = [0] * request_rows  # tokens of the row's last forward
         self.held_from = [0] * request_rows  # window slots below this position are released
         self.bound = [False] * request_rows
-        self.window_policy = "per_request"
+        self.window_policy: WindowPolicy = PER_REQUEST
         # Called when a row's forward of tokens start .. end - 1 is reserved (the pool plans its snapshots).
         self.on_reserve: Callable[[int, int, int], None] = lambda row, start, end: None
         self.on_free: Callable[[int], None] = lambda row: None
@@ -178,8 +179,7 @@ class RequestTables:
         start = self.position[row]
         if target <= start:
             return
-        if self.window_policy == "per_request":
-            self.trim(row, start - self.window - 1)
+        self.window_policy.before_reserve(self, row, start)
         # What the next forward and a checkpoint one decode step late read.
         own = torch.arange(max(start, target - self.window - 1), target)
         self._window.write(row, own, self.window_slots.alloc(len(own)))
@@ -189,8 +189,7 @@ class RequestTables:
                 self.write_entries(ratio, row, slice(have, need), self.entry_rows[ratio].alloc(need - have))
                 self.entry_count[ratio][row] = need
         self.position[row], self.last_step[row] = target, target - start
-        if self.window_policy == "all_committed":
-            self.hold_window(row, start, target)  # as far as the slots allow: else what per_request keeps
+        self.window_policy.after_reserve(self, row, start, target)
         self.on_reserve(row, start, target)
 
     def hold_window(self, row: int, first: int, last: int) -> bool:

@@ -7,7 +7,7 @@ So nodes carry :class:`~sglang_dsv4.memory_pool.checkpoint.Checkpoint` s at thei
 and a match is cut back to the deepest node that has one; the request then resumes
 there exactly and prefills the rest.
 
-Where checkpoints come from (``prefix_hits``):
+Where checkpoints come from (``prefix_hits``, :mod:`.prefix_hits`):
 
 * ``exact`` (default): at every ``checkpoint`` call SGLang makes — the end of each
   prefill chunk, of the prompt, and of the finished request (prompt and output, which
@@ -38,9 +38,9 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from ..kv_cache import V4KVPool
 from ..memory_pool.checkpoint import Checkpoint
+from ..memory_pool.window_policy import WINDOW_POLICY_OF
 from . import PREFIX_HITS, WINDOW_POLICIES
-
-ALIGNED_PAGE = 256  # upstream's V4 page: it reuses prefixes in multiples of it
+from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
 
 
 class V4RadixCache(RadixCache):
@@ -68,17 +68,17 @@ class V4RadixCache(RadixCache):
         """Switch where hits may land and what finished requests keep (takes effect at once)."""
         check_modes(prefix_hits=prefix_hits, window_policy=window_policy)
         if prefix_hits is not None:
-            self.prefix_hits = prefix_hits
+            self.prefix_hits = PREFIX_HITS_OF[prefix_hits]
         if window_policy is not None:
-            self.pool.storage.tables.window_policy = window_policy
-        exact = self.prefix_hits == "exact"
-        self.pool.checkpoints.interval = 0 if self.disable else (self.checkpoint_interval if exact else ALIGNED_PAGE)
-        self.pool.checkpoints.before_extend_end = exact and not self.disable
+            self.pool.storage.tables.window_policy = WINDOW_POLICY_OF[window_policy]
+        checkpoints = self.pool.checkpoints
+        checkpoints.interval = 0 if self.disable else self.prefix_hits.snapshot_interval(self.checkpoint_interval)
+        checkpoints.before_extend_end = self.prefix_hits.checkpoints_at_calls and not self.disable
 
     def modes(self) -> dict[str, object]:
         return {
-            "prefix_hits": self.prefix_hits,
-            "window_policy": self.pool.storage.tables.window_policy,
+            "prefix_hits": self.prefix_hits.name,
+            "window_policy": self.pool.storage.tables.window_policy.name,
             "checkpoint_interval": self.pool.checkpoints.interval,
         }
 
@@ -128,8 +128,8 @@ class V4RadixCache(RadixCache):
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
         # all_committed, also keeps every window slot the request held (in aligned mode, unless at
         # a page boundary, that is all it does: the tree holds them until evicted).
-        commit_all = req.finished() and self.pool.storage.tables.window_policy == "all_committed"
-        if self.prefix_hits == "exact" or commit_all:
+        commit_all = req.finished() and self.pool.storage.tables.window_policy.commits_every_slot
+        if self.prefix_hits.checkpoints_at_calls or commit_all:
             live = self.pool.checkpoints.make(row, up_to, commit_all)
             if live is not None:
                 self._attach(radix_key, live)
@@ -192,7 +192,7 @@ class V4RadixCache(RadixCache):
         checkpoint = self.checkpoints.get(node)
         if checkpoint is None:
             return False
-        return self.prefix_hits == "exact" or checkpoint.position % ALIGNED_PAGE == 0
+        return self.prefix_hits.resumable(checkpoint.position)
 
     def _depth(self, node: TreeNode) -> int:
         length = 0

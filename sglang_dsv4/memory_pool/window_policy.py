@@ -1,0 +1,52 @@
+"""What a request row keeps of the window slots it wrote: one type per policy, chosen once.
+
+``per_request`` keeps only what a forward or a checkpoint can still read (the last window plus
+one token, and the window behind each snapshot position); ``all_committed`` keeps every slot
+the request wrote until it is freed, so its final checkpoint commits them all (upstream's
+behaviour), as far as the window slots allow (:mod:`.request_tables`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .request_tables import RequestTables
+
+
+class WindowPolicy(Protocol):
+    name: str
+    # Whether a finished request's checkpoint keeps every window slot it holds.
+    commits_every_slot: bool
+
+    def before_reserve(self, tables: RequestTables, row: int, start: int) -> None:
+        """Before the row's forward from ``start`` takes its slots."""
+
+    def after_reserve(self, tables: RequestTables, row: int, start: int, target: int) -> None:
+        """After the forward of ``start .. target - 1`` has what it cannot run without."""
+
+
+class PerRequest:
+    name = "per_request"
+    commits_every_slot = False
+
+    def before_reserve(self, tables: RequestTables, row: int, start: int) -> None:
+        tables.trim(row, start - tables.window - 1)
+
+    def after_reserve(self, tables: RequestTables, row: int, start: int, target: int) -> None:
+        pass
+
+
+class AllCommitted:
+    name = "all_committed"
+    commits_every_slot = True
+
+    def before_reserve(self, tables: RequestTables, row: int, start: int) -> None:
+        pass
+
+    def after_reserve(self, tables: RequestTables, row: int, start: int, target: int) -> None:
+        tables.hold_window(row, start, target)  # as far as the slots allow: else what per_request keeps
+
+
+PER_REQUEST, ALL_COMMITTED = PerRequest(), AllCommitted()
+WINDOW_POLICY_OF = {policy.name: policy for policy in (PER_REQUEST, ALL_COMMITTED)}

@@ -4,7 +4,7 @@ Two V4 pools of the tiny config on the GPU (:class:`~sglang_dsv4.memory_pool.sto
 each with its checkpoint lifecycle, snapshots every 12 tokens) go through the same scheduling:
 rows bound and prefilled by the batched core, then decode steps with requests joining (a new row
 prefilled between steps) and leaving (a row freed), batches of 3 to 7 requests. Pool A decodes
-eagerly, its index built from the host tables each step. Pool B replays one ``torch.cuda.CUDAGraph``
+eagerly, its index built each step as the backend's ``init_forward_metadata`` builds it. Pool B replays one ``torch.cuda.CUDAGraph``
 of every layer's attention, captured once at batch 8 over a
 :class:`~sglang_dsv4.attention_backend.batched.DecodeGraphIndex` on ``tables.on_device``, after
 doing what the server's ``init_forward_metadata_out_graph`` does (flush the tables' changes to the
@@ -99,9 +99,9 @@ def eager(pool: Pool, layers, config, rows: list[int], lengths: list[int], x: to
         for i, (row, start, length) in enumerate(zip(rows, starts, lengths, strict=True))
         for c in pool.checkpoints.between(row, start, start + length)
     ]
-    index = batched.build_index(
-        batched.BatchPlan(rows, starts, lengths, snapshots), pool.storage.tables, config, DEVICE
-    )
+    tables = pool.storage.tables
+    tables.flush()  # as the backend's init_forward_metadata does
+    index = batched.build_index(batched.BatchPlan(rows, starts, lengths, snapshots), tables.on_device, config, DEVICE)
     return run_layers(layers, x, index, pool.storage)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import types
 from pathlib import Path
 
 import torch
@@ -95,13 +94,8 @@ def bench(model: str, kind: str, timer: Timer, ceilings: dict) -> dict:
     plan = batched.BatchPlan([1], [start], [TOKENS])
     x = torch.randn(TOKENS, config.hidden_size, device=DEVICE, dtype=DTYPE)
 
-    # build_index reads the request tables on the host, as serving's are (a host-built prefill plan).
-    host_tables = types.SimpleNamespace(
-        window_table=pools.window_table.cpu(), entry_table={r: t.cpu() for r, t in pools.entry_table.items()}
-    )
-
     def run() -> torch.Tensor:
-        index = batched.build_index(plan, host_tables, config, DEVICE)
+        index = batched.build_index(plan, pools, config, DEVICE)  # the device's tables, as served
         return attention.project_out(batched.attend(attention, layer, x, index, pools))
 
     run()

@@ -165,7 +165,8 @@ class ForwardIndex:
 def build_index(
     plan: BatchPlan, tables: RequestTableStorage, config: DeepseekV4Config, device: torch.device | str
 ) -> ForwardIndex:
-    """The forward's index tensors, on ``device``, from the plan and the request tables.
+    """The forward's index tensors, built on ``device`` from the plan (one small copy there) and the
+    request tables as ``device`` holds them (on a GPU their device twins, flushed).
 
     A decode plan gets one snapshot target per request (its checkpoint's record or the
     padding record), so that its shapes depend on the batch size only.
@@ -174,14 +175,20 @@ def build_index(
     if plan.is_decode:
         taken = {s.request: s.record for s in snapshots}
         snapshots = [Snapshot(i, s + 1, taken.get(i, 0)) for i, s in enumerate(plan.starts)]
+    fields = [plan.rows, plan.starts, plan.lengths, *zip(*((s.request, s.position, s.record) for s in snapshots))]
+    fields += [()] * (6 - len(fields))  # no snapshots: three empty fields
+    values = torch.tensor([v for field in fields for v in field], dtype=torch.int64).to(device, non_blocking=True)
+    rows, starts, lengths, snapshot_request, snapshot_position, snapshot_record = values.split(
+        [len(field) for field in fields]
+    )
     batch = _Batch.of(
-        torch.tensor(plan.rows, dtype=torch.int64),
-        torch.tensor(plan.starts, dtype=torch.int64),
-        torch.tensor(plan.lengths, dtype=torch.int64),
+        rows,
+        starts,
+        lengths,
         tokens=sum(plan.lengths),
-        snapshot_request=torch.tensor([s.request for s in snapshots], dtype=torch.int64),
-        snapshot_position=torch.tensor([s.position for s in snapshots], dtype=torch.int64),
-        snapshot_record=torch.tensor([s.record for s in snapshots], dtype=torch.int64),
+        snapshot_request=snapshot_request,
+        snapshot_position=snapshot_position,
+        snapshot_record=snapshot_record,
     )
     ends = [start + length for start, length in zip(plan.starts, plan.lengths, strict=True)]
     sizes = {
@@ -193,8 +200,7 @@ def build_index(
         for r in tables.entry_table
     }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
-    index = _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode)
-    return _to_device(index, torch.device(device))
+    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode)
 
 
 def build_decode_index(
@@ -433,10 +439,6 @@ def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all:
     table = entry_table[batch.rows, : sizes.blocks]
     visible = ((batch.positions + 1) // ratio).to(torch.int32)
     return EntryReads(table, visible, table[batch.token_request].to(torch.int32) if read_all else None)
-
-
-def _to_device(index: ForwardIndex, device: torch.device) -> ForwardIndex:
-    return _map_tensors(index, lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def _map_tensors(value, function):

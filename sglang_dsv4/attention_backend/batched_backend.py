@@ -2,9 +2,9 @@
 
 ``init_forward_metadata`` turns the forward batch into a :class:`~.batched.BatchPlan` (plain
 rows, starts, lengths and the checkpoints the forward fills) and builds the forward's index
-tensors once, from the host's request tables; every layer's :meth:`BatchedBackend.attend` then
-runs the batched core. Every forward first brings the device's request tables up to date
-(:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.flush`), which is all a graph reads.
+tensors once, on the device, from the device's request tables; every layer's
+:meth:`BatchedBackend.attend` then runs the batched core. Every forward first brings the device's
+request tables up to date (:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.flush`).
 
 Decode in a CUDA graph goes through SGLang's graph hooks instead, in the order its decode graph
 runner calls them: ``init_cuda_graph_state`` once, then per capture and per replay
@@ -40,7 +40,8 @@ class BatchedBackend(V4PoolBackend):
         pool = self.token_to_kv_pool
         pool.storage.tables.flush()
         plan = batch_plan(pool.checkpoints, forward_batch)
-        self.index = batched.build_index(plan, pool.storage.tables, pool.storage.config, pool.storage.device)
+        storage = pool.storage
+        self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         storage = self.token_to_kv_pool.storage

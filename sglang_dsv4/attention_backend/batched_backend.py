@@ -8,7 +8,8 @@ request tables up to date (:meth:`~sglang_dsv4.memory_pool.request_tables.Reques
 
 Decode in a CUDA graph goes through SGLang's graph hooks instead, in the order its decode graph
 runner calls them: ``init_cuda_graph_state`` once, then per capture and per replay
-``init_forward_metadata_out_graph`` (host: the request tables' changes and the pending checkpoints to the device) and
+``init_forward_metadata_out_graph`` (host: the request tables' changes and the pending checkpoints
+to the device) and
 ``init_forward_metadata_in_graph`` (device only, recorded in the graph: the index of the padded
 batch, from its ``req_pool_indices`` and ``seq_lens``, into buffers of stable address;
 :class:`~.batched.DecodeGraphIndex`).
@@ -37,10 +38,9 @@ class BatchedBackend(V4PoolBackend):
         self.graph_index: batched.DecodeGraphIndex | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        pool = self.token_to_kv_pool
-        pool.storage.tables.flush()
+        pool, storage = self.token_to_kv_pool, self.token_to_kv_pool.storage
+        storage.tables.flush()
         plan = batch_plan(pool.checkpoints, forward_batch)
-        storage = pool.storage
         self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -220,13 +220,12 @@ def _size_v4_pools(original, configurator):
     if not is_deepseek_v4(configurator.model_config.hf_config):
         return original(configurator)
     from .memory_pool.layout import PoolLayout
+    from .memory_pool.request_tables import has_device_twins
     from .memory_pool.sizing import V4PoolConfigurator
 
     config = served_config(configurator.model_config.hf_config)
     layout = PoolLayout(config, configurator.kv_cache_dtype)
-    # On a GPU the request tables have device twins (the CPU reads its host tables).
-    on_device = torch.device(configurator.device).type != "cpu"
-    context = configurator.model_config.context_len if on_device else 0
+    context = configurator.model_config.context_len if has_device_twins(configurator.device) else 0
     return V4PoolConfigurator(layout, get_schedule().max_running_requests, context)
 
 

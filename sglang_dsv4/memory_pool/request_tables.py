@@ -44,6 +44,12 @@ class UnboundRequestRow(RuntimeError):
     """A forward for a row no request was bound to: the dsv4 radix cache is not in use."""
 
 
+def has_device_twins(device: torch.device | str) -> bool:
+    """Whether request tables on ``device`` keep a twin of their own there (not on the CPU, whose
+    forwards read the host tables)."""
+    return torch.device(device).type != "cpu"
+
+
 class MirroredTable:
     """An int64 table of pool rows written on the host, read by forwards from its ``device`` twin.
 
@@ -54,7 +60,7 @@ class MirroredTable:
 
     def __init__(self, rows: int, columns: int, device: torch.device):
         self.host = torch.zeros(rows, columns, dtype=TABLE_DTYPE)
-        self.device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self.device = torch.zeros_like(self.host, device=device) if has_device_twins(device) else self.host
         self._changed: list[torch.Tensor] = []
 
     def write(self, row: int, columns: torch.Tensor | slice, values: torch.Tensor | int) -> None:
@@ -219,13 +225,17 @@ class RequestTables:
         self._window.write(row, held, 0)
         self.held_from[row] = keep_from
 
+    def trim_to_forward(self, row: int, start: int) -> None:
+        """Keep only what a forward from ``start`` reads: the window and one token before it."""
+        self.trim(row, start - self.window - 1)
+
     def trim_all(self) -> bool:
         """Under window-slot pressure: every row keeps only what ``per_request`` keeps for the
         forward it was last reserved for (which may not have run yet)."""
         released = self.window_slots.free
         for row in range(self.request_rows):
             if self.bound[row]:
-                self.trim(row, self.position[row] - self.last_step[row] - self.window - 1)
+                self.trim_to_forward(row, self.position[row] - self.last_step[row])
         return self.window_slots.free > released
 
     # --- reading ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class PerRequest:
     commits_every_slot = False
 
     def before_reserve(self, tables: RequestTables, row: int, start: int) -> None:
-        tables.trim(row, start - tables.window - 1)
+        tables.trim_to_forward(row, start)
 
     def after_reserve(self, tables: RequestTables, row: int, start: int, target: int) -> None:
         pass

@@ -98,7 +98,10 @@ def test_generate_api_sends_the_history_as_the_chat_templates_token_ids(server, 
             return [event async for event in generate.stream(messages, 5, SESSION_TOOLS)]
 
     events = asyncio.run(one_turn())
-    assert [event.total for event in events if isinstance(event, TokensArrived)] == [1, 2, 3, 4, 5]
+    # The server's count so far, as it streams: one event a token, unless SGLang sends two steps' tokens
+    # in one event (it does when the next step's output is ready before the last was sent).
+    totals = [event.total for event in events if isinstance(event, TokensArrived)]
+    assert totals == sorted(set(totals)) and totals[0] >= 1 and totals[-1] == 5
     (usage,) = [event for event in events if isinstance(event, Usage)]
     assert usage.completion_tokens == 5
     assert usage.prompt_tokens == chat.json()["usage"]["prompt_tokens"]  # the server's own chat template

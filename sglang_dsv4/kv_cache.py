@@ -41,17 +41,29 @@ class V4KVPool(KVCache):
         self.checkpoints = Checkpoints(self.storage, self.entries)
         self.mem_usage = self.storage.allocated_bytes / 2**30
 
-    def set_reclaim(self, evict_checkpoint: Callable[[], bool], evict_tokens: Callable[[], bool]) -> None:
-        """What frees rows when some run short: the prefix cache evicting its least recently used
-        checkpoint (window slots, records) or cached tokens (entry rows); for a forward's own
-        window slots then running requests trimming to the ``per_request`` window, and snapshots
-        not taken yet being dropped."""
+    def set_reclaim(
+        self,
+        evict_checkpoint: Callable[[], bool],
+        evict_tokens: Callable[[], bool],
+        trim_checkpoint_windows: Callable[[], bool],
+    ) -> None:
+        """What frees rows when some run short. For a checkpoint (its record, its window slots): the
+        prefix cache evicting its least recently used checkpoint. For a forward's own window slots,
+        cheapest loss first: request rows letting go of what no forward reads and checkpoints of what
+        no resume reads (all_committed's windows fall back to what per_request keeps), then least
+        recently used checkpoints, then snapshots not taken yet. For entry rows: the prefix cache
+        evicting cached tokens."""
         storage = self.storage
-        storage.records.reclaim = evict_checkpoint
-        storage.window_slots.reclaim = evict_checkpoint
-        storage.window_slots.last_resort = lambda: storage.tables.trim_all() or self.checkpoints.drop_newest()
+        storage.records.reclaim_optional = (evict_checkpoint,)
+        storage.window_slots.reclaim_optional = (evict_checkpoint,)
+        storage.window_slots.reclaim_for_forwards = (
+            storage.tables.keep_only_what_forwards_read,
+            trim_checkpoint_windows,
+            evict_checkpoint,
+            self.checkpoints.drop_newest,
+        )
         for rows in storage.entry_rows.values():
-            rows.reclaim = evict_tokens
+            rows.reclaim_for_forwards = (evict_tokens,)
 
     # --- KVCache's abstract interface: V4 has no per-layer K/V buffers --------------------------
 

@@ -173,7 +173,7 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     first, second = random_ids(600, 1024, seed=89), random_ids(300, 1024, seed=90)
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 650)
-    pool.set_reclaim(lambda: False, lambda: False)  # no prefix cache: nothing cached to evict
+    pool.set_reclaim(lambda: False, lambda: False, lambda: False)  # no prefix cache: nothing cached to evict
     pool.checkpoints.interval = 64
     pool.storage.tables.bind(1)
     pool.storage.tables.reserve(1, 600)  # its window and the snapshots' windows: every one of its 600 tokens
@@ -200,11 +200,44 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     assert (resumed - cold_first[last_kept.position :]).abs().max() <= 1e-4
 
 
+def test_a_launched_forwards_row_lets_go_of_its_snapshots_windows_before_any_checkpoint_is_evicted(tiny_model):
+    """Issue 22: once a forward is launched, its row needs only the window its next forward reads;
+    the windows of the snapshots it filled are the checkpoints' to keep or lose."""
+    window = tiny_model.config.sliding_window
+    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+    make_scarce(pool, "window_slots", 650)
+    cached: list = []  # the tree's checkpoints, least recently used first
+
+    def evict_checkpoint() -> bool:
+        if not cached:
+            return False
+        pool.checkpoints.release(cached.pop(0))
+        return True
+
+    pool.set_reclaim(evict_checkpoint, lambda: False, lambda: False)
+    pool.checkpoints.interval = 64
+    tables = pool.storage.tables
+    tables.bind(1)
+    tables.reserve(1, 600)  # its window and nine snapshots' windows: every one of its 600 tokens' slots
+    tables.begin_forward()
+    cached += pool.checkpoints.take(1, 600)  # the tree takes them
+    assert len(cached) == 9 and pool.storage.window_slots.free == 50
+    pool.checkpoints.interval = 0  # row 2 plans no snapshots: only its own window + 1 is asked for
+    tables.bind(2)
+    tables.reserve(2, 300)
+    assert int((tables.window_rows(2, 300 - window - 1, 300) > 0).sum()) == window + 1
+    # Row 1 let go of all but its next forward's window; then the oldest checkpoints went until 79 more
+    # slots were free (each frees the 64 its window does not share with the next one; the first none).
+    assert int((tables.window_table[1] > 0).sum()) == window + 1
+    assert [c.position for c in cached] == [64 * i for i in range(4, 10)]
+    assert pool.storage.window_slots.free == 50 + 2 * 64 - (window + 1)
+
+
 def test_room_for_windows_counts_only_what_running_requests_can_give_back(tiny_model):
     window = tiny_model.config.sliding_window
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 3 * (window + 1))
-    pool.set_reclaim(lambda: False, lambda: False)
+    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
     pool.storage.tables.window_policy = ALL_COMMITTED
     pool.storage.tables.bind(1)
     pool.storage.tables.reserve(1, 300)  # all_committed: every token's slot
@@ -227,7 +260,7 @@ def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoin
     first, second = random_ids(300, 1024, seed=91), random_ids(200, 1024, seed=92)
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 400)
-    pool.set_reclaim(lambda: False, lambda: False)
+    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
     pool.checkpoints.interval = 128
     pool.storage.tables.bind(1)
     pool.storage.tables.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
@@ -321,7 +354,7 @@ def test_dropping_a_snapshot_of_the_forward_before_the_reserved_one_frees_only_i
     window = tiny_model.config.sliding_window
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 300)
-    pool.set_reclaim(lambda: False, lambda: False)
+    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
     pool.checkpoints.interval = 128
     tables = pool.storage.tables
     tables.bind(1)

@@ -94,7 +94,7 @@ class Scheduler:
         req = Request(self.count, fill, array("q", tokens), match.device_prefix_len, match.last_device_node)
         # SGLang's admission with the plugin's check: token slots, then the request's window slots.
         if not self.tree.room_for_windows(
-            self.tree.window_slots_for_prefill(len(tokens) - req.prefix_len), req.last_node
+            self.tree.window_slots_for_forward(len(tokens) - req.prefix_len), req.last_node
         ):
             return
         req.lock = self.tree.lock(req.last_node)

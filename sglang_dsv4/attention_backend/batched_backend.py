@@ -4,7 +4,7 @@
 rows, starts, lengths and the checkpoints the forward fills) and builds the forward's index
 tensors once, on the device, from the device's request tables; every layer's
 :meth:`BatchedBackend.attend` then runs the batched core. Every forward first brings the device's
-request tables up to date (:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.flush`).
+request tables up to date (:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.begin_forward`).
 
 Decode in a CUDA graph goes through SGLang's graph hooks instead, in the order its decode graph
 runner calls them: ``init_cuda_graph_state`` once, then per capture and per replay
@@ -39,7 +39,7 @@ class BatchedBackend(V4PoolBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool, storage = self.token_to_kv_pool, self.token_to_kv_pool.storage
-        storage.tables.flush()
+        storage.tables.begin_forward()
         plan = batch_plan(pool.checkpoints, forward_batch)
         self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device)
 
@@ -54,7 +54,7 @@ class BatchedBackend(V4PoolBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         pool = self.token_to_kv_pool
-        pool.storage.tables.flush()
+        pool.storage.tables.begin_forward()
         self._graph_index().stage_checkpoints(pool.checkpoints.pending)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:

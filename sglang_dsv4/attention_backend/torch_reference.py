@@ -39,6 +39,7 @@ class TorchReferenceBackend(V4PoolBackend):
         self.pieces: list[list[tuple[int, Checkpoint | None]]] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.token_to_kv_pool.storage.tables.begin_forward()
         self.plan_forward(request_spans(forward_batch))
 
     def plan_forward(self, spans: list[RequestSpan]) -> None:

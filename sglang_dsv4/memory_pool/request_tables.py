@@ -18,14 +18,16 @@ checkpoint can still read (the last window plus one token, SGLang's one-step sch
 and the window behind each snapshot position); ``all_committed`` keeps every slot the request
 wrote until it is freed, as far as the window slots allow: a forward they cannot hold keeps
 what ``per_request`` keeps, and under pressure every row falls back to it
-(:meth:`RequestTables.trim_all`).
+(:meth:`RequestTables.keep_only_what_forwards_read`).
 
 The scheduler changes the tables on the host (allocating rows is host work); the forward reads
 them on the device. Each table is a :class:`MirroredTable`: written on the host, its changed
-cells copied to a device twin in one transfer when a forward begins (:meth:`RequestTables.flush`,
-which the attention backend calls before it builds the forward's index). A forward in flight on
-the device's stream reads the twin as it was when it was launched. On the CPU the twin is the
-host table itself.
+cells copied to a device twin in one transfer when a forward begins
+(:meth:`RequestTables.begin_forward`, which the attention backend calls before it builds the
+forward's index). A forward in flight on the device's stream reads the twin as it was when it
+was launched, so from then on its rows need only what their next forward reads: a slot let go
+then is written again only by a later forward, which runs after it on the same stream. On the
+CPU the twin is the host table itself.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class RequestTables:
         self.last_step = [0] * request_rows  # tokens of the row's last forward
         self.held_from = [0] * request_rows  # window slots below this position are released
         self.bound = [False] * request_rows
+        self.unlaunched: set[int] = set()  # rows reserved since the last forward began
         self.window_policy: WindowPolicy = PER_REQUEST
         # Called when a row's forward of tokens start .. end - 1 is reserved (the pool plans its snapshots).
         self.on_reserve: Callable[[int, int, int], None] = lambda row, start, end: None
@@ -134,6 +137,12 @@ class RequestTables:
         self._window.flush()
         for table in self._entries.values():
             table.flush()
+
+    def begin_forward(self) -> None:
+        """A forward begins: the device tables take the host's changes, and every row reserved so
+        far belongs to a forward that is launched (it no longer needs the slots only it wrote)."""
+        self.flush()
+        self.unlaunched.clear()
 
     @property
     def device_bytes(self) -> int:
@@ -186,9 +195,9 @@ class RequestTables:
         if target <= start:
             return
         self.window_policy.before_reserve(self, row, start)
-        # What the next forward and a checkpoint one decode step late read.
-        own = torch.arange(max(start, target - self.window - 1), target)
+        own = torch.arange(target - self.window_slots_for_forward(target - start), target)
         self._window.write(row, own, self.window_slots.alloc(len(own)))
+        self.unlaunched.add(row)
         for ratio in self.ratios:
             have, need = self.entry_count[ratio][row], target // ratio
             if need > have:
@@ -197,6 +206,12 @@ class RequestTables:
         self.position[row], self.last_step[row] = target, target - start
         self.window_policy.after_reserve(self, row, start, target)
         self.on_reserve(row, start, target)
+
+    def window_slots_for_forward(self, tokens: int) -> int:
+        """Window slots of its own a forward of ``tokens`` new tokens of one row takes: those of its
+        last ``window + 1`` tokens (what the next forward and a checkpoint one decode step late read).
+        The one count that SGLang's admission and decode checks ask room for."""
+        return min(tokens, self.window + 1)
 
     def hold_window(self, row: int, first: int, last: int) -> bool:
         """Optional slots for the row's positions ``first .. last - 1`` it does not hold yet
@@ -229,14 +244,28 @@ class RequestTables:
         """Keep only what a forward from ``start`` reads: the window and one token before it."""
         self.trim(row, start - self.window - 1)
 
-    def trim_all(self) -> bool:
-        """Under window-slot pressure: every row keeps only what ``per_request`` keeps for the
-        forward it was last reserved for (which may not have run yet)."""
-        released = self.window_slots.free
+    def keep_only_what_forwards_read(self) -> bool:
+        """Under window-slot pressure every row lets go of what no forward reads (all_committed rows
+        fall back to what per_request keeps); whether that freed any slot.
+
+        A row whose forward is launched keeps the window its next forward reads. A row whose
+        forward is reserved but not launched keeps the window before that forward, the forward's
+        own slots and those it shares with the snapshots planned in it; its other slots
+        (all_committed's, which no one shares) go, and the forward skips their positions.
+        """
+        free_before = self.window_slots.free
         for row in range(self.request_rows):
-            if self.bound[row]:
-                self.trim_to_forward(row, self.position[row] - self.last_step[row])
-        return self.window_slots.free > released
+            if not self.bound[row]:
+                continue
+            if row not in self.unlaunched:
+                self.trim_to_forward(row, self.position[row])
+                continue
+            start, own_from = self.position[row] - self.last_step[row], self.position[row] - self.window - 1
+            self.trim_to_forward(row, start)
+            positions = torch.arange(max(start, self.held_from[row]), max(start, own_from))
+            slots = self.window_table[row, positions]
+            self.release_window(row, positions[(slots > 0) & (self.window_slots.refs[slots] == 1)])
+        return self.window_slots.free > free_before
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -273,6 +302,7 @@ class RequestTables:
             self.write_entries(ratio, row, slice(0, count), 0)
             self.entry_count[ratio][row] = 0
         self.bound[row] = False
+        self.unlaunched.discard(row)
         self.position[row] = self.held_from[row] = self.last_step[row] = 0
 
     def clear(self) -> None:

@@ -5,11 +5,13 @@ and then only read, so a running request, its checkpoints and the requests resum
 them share it by counting references; it returns to the free list when the last one
 lets go. Row 0 is padding: never handed out, the value unused table cells point at.
 
-Two kinds of allocation. What a request cannot run without (its window and entry rows for a
-forward) is :meth:`SharedRows.alloc`: it takes back what the prefix cache holds (``reclaim``)
-and then what other requests hold but can do without (``last_resort``: windows kept beyond
-what a forward reads, snapshots not taken yet), and raises only if even that is not enough.
-What is optional (a checkpoint) is :meth:`SharedRows.try_alloc`: the cache only, else nothing.
+Two kinds of allocation. What a forward cannot run without (its window and entry rows) is
+:meth:`SharedRows.alloc`: it first lets everything optional give rows back
+(``reclaim_for_forwards``: for window slots, what rows hold beyond what forwards read, the prefix
+cache's least recently used checkpoints, snapshots not taken yet), and raises only if even that is
+not enough — which the pool's sizing rules out (:mod:`.layout`). What is optional (a checkpoint)
+is :meth:`SharedRows.try_alloc`: what the prefix cache gives back (``reclaim_optional``), else
+nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ class SharedRows:
         self.name = name
         self.refs = torch.zeros(capacity + 1, dtype=torch.int32)
         self.free_list: list[int] = []
-        # Called when rows run short; each frees something and says whether it could: first what
-        # the prefix cache holds, then (for a request's own rows only) what others can do without.
-        self.reclaim: Callable[[], bool] | None = None
-        self.last_resort: Callable[[], bool] | None = None
+        # Called in turn when rows run short, each until it frees nothing more: for an optional row,
+        # and for a row a forward cannot run without.
+        self.reclaim_optional: tuple[Callable[[], bool], ...] = ()
+        self.reclaim_for_forwards: tuple[Callable[[], bool], ...] = ()
         self.clear()
 
     @property
@@ -40,19 +42,26 @@ class SharedRows:
         return len(self.free_list)
 
     def alloc(self, count: int) -> torch.Tensor:
-        """``count`` fresh rows, each with one reference, for what a request cannot run without."""
-        if not self.make_room(count, self.reclaim, self.last_resort):
+        """``count`` fresh rows, each with one reference, for what a forward cannot run without."""
+        if not self.room_for_forwards(count):
             raise PoolExhausted(f"{self.name}: {count} rows wanted, {self.free} free of {self.capacity}")
         return self._take(count)
 
     def try_alloc(self, count: int) -> torch.Tensor | None:
         """``count`` fresh rows if they can be had by taking back what the cache holds, else ``None``."""
-        return self._take(count) if self.make_room(count, self.reclaim) else None
+        return self._take(count) if self.room_for_optional(count) else None
 
-    def make_room(self, count: int, *reclaimers: Callable[[], bool] | None) -> bool:
-        """Call each reclaimer in turn until ``count`` rows are free; whether they are."""
+    def room_for_forwards(self, count: int) -> bool:
+        """Whether ``count`` rows are free once everything optional gave back what it could."""
+        return self._make_room(count, self.reclaim_for_forwards)
+
+    def room_for_optional(self, count: int) -> bool:
+        """Whether ``count`` rows are free once the prefix cache gave back what it could."""
+        return self._make_room(count, self.reclaim_optional)
+
+    def _make_room(self, count: int, reclaimers: tuple[Callable[[], bool], ...]) -> bool:
         for reclaim in reclaimers:
-            while count > len(self.free_list) and reclaim is not None and reclaim():
+            while count > len(self.free_list) and reclaim():
                 pass
         return count <= len(self.free_list)
 

@@ -93,10 +93,10 @@ class V4PoolStorage:
         }
 
     def room_for_windows(self, count: int) -> bool:
-        """Whether ``count`` window slots are free once the cache and all_committed rows give
-        back what they can (SGLang's admission and decode checks ask before a forward's rows
-        are reserved; snapshots of forwards in flight are kept)."""
-        return self.window_slots.make_room(count, self.window_slots.reclaim, self.tables.trim_all)
+        """Whether forwards can have ``count`` window slots of their own: the same count of free
+        slots that reserving their rows would find, freed the same way (SGLang's admission and
+        decode checks ask before the forwards' rows are reserved)."""
+        return self.window_slots.room_for_forwards(count)
 
     # --- state records ---------------------------------------------------------------------
 

@@ -4,11 +4,13 @@ SGLang admits a request when its token slots fit (``PrefillAdder.add_one_req``) 
 decoding requests when the next step's do not (``ScheduleBatch.check_decode_mem``, which
 ``retract_decode`` asks again after each request it retracts). A V4 forward also needs
 window slots of its own: the last ``sliding_window + 1`` tokens of every request in it. Both
-checks here first let the prefix cache give back what it can (its least recently used
-checkpoints, all_committed windows beyond what a forward reads), and then answer as SGLang
-does when its token pool runs out: the request stays queued (``NO_TOKEN``), or decoding
-requests are retracted, and the scheduler keeps running. Checkpoints, being optional, never
-hold a request back: the pool skips them instead (:class:`~.checkpoints.Checkpoints`).
+checks here ask for the count that reserving the forwards' rows takes
+(:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.window_slots_for_forward`), freed
+the way reserving frees it (rows' slots beyond what forwards read, least recently used
+checkpoints, snapshots not taken yet), and then answer as SGLang does when its token pool runs
+out: the request stays queued (``NO_TOKEN``), or decoding requests are retracted, and the
+scheduler keeps running. Checkpoints, being optional, never hold a request back: the pool skips
+them instead (:class:`~.checkpoints.Checkpoints`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _admit_within_window_slots(add_one_req, adder, req, *args, **kwargs):
     tree = adder.tree_cache
     if isinstance(tree, V4RadixCache):
         batch = [*adder.can_run_list, req]
-        need = sum(tree.window_slots_for_prefill(len(r.full_untruncated_fill_ids) - r.prefix_len) for r in batch)
+        need = sum(tree.window_slots_for_forward(len(r.full_untruncated_fill_ids) - r.prefix_len) for r in batch)
         if not tree.room_for_windows(need, keep=req.last_node):
             tree.note_held_back("admissions_deferred")
             return AddReqResult.NO_TOKEN

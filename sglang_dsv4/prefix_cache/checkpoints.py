@@ -65,7 +65,7 @@ class Checkpoints:
         """The checkpoints a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""
         storage, window = self.storage, self.storage.config.sliding_window
         for position in self.positions(start, end):
-            if not storage.records.make_room(1, storage.records.reclaim):
+            if not storage.records.room_for_optional(1):
                 self._skip(NO_RECORD)
             elif not storage.tables.hold_window(request, position - window, position):
                 self._skip(NO_WINDOW_SLOTS)
@@ -186,6 +186,13 @@ class Checkpoints:
         self.storage.tables.bind(request, position, window, entries)
         self.storage.restore_record(request, checkpoint.record)
         checkpoint.touch()
+
+    def trim_to_resumed_window(self, checkpoint: Checkpoint) -> None:
+        """Let go of the checkpoint's window slots before the last ``sliding_window``: a request
+        resumed from it reads only those (:meth:`resume`)."""
+        window = self.storage.config.sliding_window
+        self.storage.window_slots.release(checkpoint.window[:-window])
+        checkpoint.window = checkpoint.window[-window:]
 
     def release(self, checkpoint: Checkpoint) -> None:
         self.storage.window_slots.release(checkpoint.window)

@@ -60,7 +60,7 @@ class V4RadixCache(RadixCache):
         self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
         super().__init__(params)
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
-        pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens)
+        pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens, self.keep_only_resumed_windows)
 
     # --- modes ------------------------------------------------------------------------------
 
@@ -148,9 +148,9 @@ class V4RadixCache(RadixCache):
             self.pool.storage.tables.bind(row)
         self.pool.storage.tables.reserve(row, req.kv.kv_allocated_len)
 
-    def window_slots_for_prefill(self, tokens: int) -> int:
-        """Window slots a prefill of ``tokens`` tokens needs at least: its last ``sliding_window + 1``."""
-        return min(tokens, self.pool.storage.config.sliding_window + 1)
+    def window_slots_for_forward(self, tokens: int) -> int:
+        """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
+        return self.pool.storage.tables.window_slots_for_forward(tokens)
 
     def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
         """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``
@@ -174,6 +174,15 @@ class V4RadixCache(RadixCache):
         _, _, node = min(candidates)
         self.pool.checkpoints.release(self.checkpoints.pop(node))
         return True
+
+    def keep_only_resumed_windows(self) -> bool:
+        """Under window-slot pressure every checkpoint, locked ones too, keeps only the window a request
+        resumed from it reads (all_committed's committed windows fall back to what per_request keeps);
+        whether that freed any slot."""
+        free_before = self.pool.storage.window_slots.free
+        for checkpoint in self.checkpoints.values():
+            self.pool.checkpoints.trim_to_resumed_window(checkpoint)
+        return self.pool.storage.window_slots.free > free_before
 
     def _delete_leaf(self, node: TreeNode) -> None:
         checkpoint = self.checkpoints.pop(node, None)

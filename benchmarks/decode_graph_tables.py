@@ -28,8 +28,7 @@ from sglang_dsv4.config import DeepseekV4Config, load_config
 from sglang_dsv4.memory_pool.storage import V4PoolStorage
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.rope import Rotary
-from sglang_dsv4.prefix_cache.checkpoints import Checkpoints
-from sglang_dsv4.prefix_cache.entry_ownership import EntryOwnership
+from sglang_dsv4.prefix_cache.manager import CacheManager
 
 DEVICE = torch.device("cuda")
 TINY = Path(__file__).parents[1] / "sglang_dsv4" / "checkpoints" / "tiny"
@@ -53,7 +52,8 @@ class Pool:
         self.storage = V4PoolStorage(
             config, torch.float32, num_tokens=TOKENS, max_requests=ROWS, max_context=CONTEXT, device=DEVICE
         )
-        self.checkpoints = Checkpoints(self.storage, EntryOwnership(self.storage))
+        self.manager = CacheManager(self.storage)
+        self.checkpoints = self.manager.checkpoints
         self.checkpoints.interval = 12
 
     def reserve(self, rows: list[int], lengths: list[int]) -> list[int]:
@@ -63,7 +63,7 @@ class Pool:
             if not tables.bound[row]:
                 tables.bind(row)
             starts.append(tables.position[row])
-            tables.reserve(row, tables.position[row] + length)
+            self.manager.reserve(row, tables.position[row] + length)
         return starts
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -100,7 +100,7 @@ def eager(pool: Pool, layers, config, rows: list[int], lengths: list[int], x: to
         for c in pool.checkpoints.between(row, start, start + length)
     ]
     tables = pool.storage.tables
-    tables.flush()  # as the backend's init_forward_metadata does
+    tables.begin_forward()  # as the backend's init_forward_metadata does
     index = batched.build_index(batched.BatchPlan(rows, starts, lengths, snapshots), tables.on_device, config, DEVICE)
     return run_layers(layers, x, index, pool.storage)
 
@@ -131,7 +131,7 @@ class DecodeGraph:
 
     def _before_replay(self) -> None:
         """What ``BatchedBackend.init_forward_metadata_out_graph`` does."""
-        self.pool.storage.tables.flush()
+        self.pool.storage.tables.begin_forward()
         self.index.stage_checkpoints(self.pool.checkpoints.pending)
 
     def replay(self, rows: list[int], x: torch.Tensor) -> torch.Tensor:

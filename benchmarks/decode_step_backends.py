@@ -31,7 +31,7 @@ for batch in (1, 8):
         start = ref_pool.storage.tables.position[1]
         for r in rows:
             for p in pair.pools:
-                p.tables.reserve(r, start + 1)
+                p.manager.reserve(r, start + 1)
         ids = torch.randint(0, 1024, (batch,))
         spans = [RequestSpan(r, start, 1, i) for i, r in enumerate(rows)]
         t = time.perf_counter()

@@ -250,9 +250,9 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         max_context=req_to_token_pool.max_context_len,
         device=configurator.device,
     )
-    # SGLang reserves each request's compressed-entry rows before a forward and returns
-    # them when it frees the request, through the request pool's auxiliary cache.
-    req_to_token_pool.attach_aux_cache(pool.storage.tables)
+    # SGLang has each request's V4 rows reserved before a forward and returned when it frees the
+    # request, through the request pool's auxiliary cache: the cache manager.
+    req_to_token_pool.attach_aux_cache(pool.manager)
     logger.info(
         "sglang-dsv4 KV pool: %d token slots, %d request rows, %.3f GiB allocated; KV ledger:\n%s",
         sizes.max_total_num_tokens,

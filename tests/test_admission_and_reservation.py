@@ -86,13 +86,13 @@ class OverlapLoop:
         if records is not None:
             make_scarce(self.pool, "records", records)
         self.rows = ReqToTokenPool(rows, CONTEXT, "cpu", enable_memory_saver=False)
-        self.rows.attach_aux_cache(self.pool.storage.tables)
+        self.rows.attach_aux_cache(self.pool.manager)
         self.slots = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", self.pool, need_sort=False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.slots, page_size=1
         )
         self.tree = V4RadixCache(
-            params, self.pool, prefix_hits="exact", window_policy="per_request", checkpoint_interval=96
+            params, self.pool.manager, prefix_hits="exact", window_policy="per_request", checkpoint_interval=96
         )
         self.tokens = tokens
         self.waiting: list[Served] = []

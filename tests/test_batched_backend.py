@@ -64,7 +64,7 @@ class TwoBackends:
         for row, length in zip(rows, lengths, strict=True):
             self.each_pool(lambda pool: pool.storage.tables.bound[row] or pool.storage.tables.bind(row))
             start = reference_pool.storage.tables.position[row]
-            self.each_pool(lambda pool: pool.storage.tables.reserve(row, start + length))
+            self.each_pool(lambda pool: pool.manager.reserve(row, start + length))
             spans.append(RequestSpan(row, start, length, offset))
             offset += length
         ids = torch.cat([self.sequences[s.request][s.start : s.start + s.length] for s in spans])
@@ -328,7 +328,7 @@ def test_the_in_graph_decode_step_does_no_host_synchronisation(tiny_model, monke
     assert_same(pair.forward([1, 2, 3], [130, 7, 300]))
     pool = pair.pools[1]
     for row in (1, 2, 3):
-        pool.storage.tables.reserve(row, pool.storage.tables.position[row] + 1)
+        pool.manager.reserve(row, pool.storage.tables.position[row] + 1)
     graph = DecodeGraphRunner(pool, tiny_model, sizes=[4])
     graph.req_pool_indices[:3] = torch.tensor([1, 2, 3])
     graph.seq_lens[:3] = torch.tensor([131, 8, 301])
@@ -352,7 +352,7 @@ def test_indexer_selections_equal_the_reference(tiny_model):
     starts, lengths = [400, 90], [37, 1]
     plan = batched.BatchPlan([1, 2], starts, lengths)
     for row, start, length in zip([1, 2], starts, lengths, strict=True):
-        pool.storage.tables.reserve(row, start + length)
+        pool.manager.reserve(row, start + length)
     index = batched.build_index(plan, pool.storage.tables, tiny_model.config, "cpu")
     x = torch.randn(sum(lengths), tiny_model.config.hidden_size)
     q_residual, *_ = attention.project(x, index.positions)
@@ -387,7 +387,7 @@ def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):
     outputs = []
     for pool, heads in zip(pools, [slice(None), slice(1, 3)], strict=True):
         pool.storage.tables.bind(1)
-        pool.storage.tables.reserve(1, 200)
+        pool.manager.reserve(1, 200)
         index = batched.build_index(plan, pool.storage.tables, tiny_model.config, "cpu")
         outputs.append(batched.attend(attention, layer, x, index, pool.storage, heads))
     assert outputs[1].shape[1] == 2
@@ -448,8 +448,8 @@ def test_a_2k_token_extend_at_64k_context_holds_no_tokens_by_context_tensor(tiny
     context, tokens = 64 * 1024, 2048
     pool = V4KVPool(context + tokens, 1, config, torch.float32, 1, context + tokens, "cpu")
     pool.storage.tables.bind(1)
-    pool.storage.tables.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
-    pool.storage.tables.reserve(1, context + tokens)
+    pool.manager.reserve(1, context)  # the rows a 64K-token prefix holds (their values do not matter here)
+    pool.manager.reserve(1, context + tokens)
     plan = batched.BatchPlan([1], [context], [tokens])
     x = torch.randn(tokens, config.hidden_size)
     bound = tokens * (config.sliding_window + config.index_topk) * max(config.num_heads, config.head_dim)

@@ -10,7 +10,8 @@ from conftest import random_ids
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.request_tables import DeviceTables, RequestTables
 from sglang_dsv4.memory_pool.shared_rows import SharedRows
-from sglang_dsv4.memory_pool.window_policy import ALL_COMMITTED, PER_REQUEST
+from sglang_dsv4.prefix_cache.manager import NothingCached
+from sglang_dsv4.prefix_cache.window_policy import ALL_COMMITTED, PER_REQUEST
 from sglang_dsv4.model.state import RequestState
 
 
@@ -21,7 +22,7 @@ def run_through_pool(model, pool: V4KVPool, request: int, ids: torch.Tensor, chu
         pool.storage.tables.bind(request)
     for length in chunks:
         end = start + length
-        pool.storage.tables.reserve(request, end)
+        pool.manager.reserve(request, end)
         layers = [pool.storage.load(layer, request, start, torch.float32) for layer in range(model.config.num_layers)]
         state = RequestState(start, layers)
         logits.append(model(ids[start:end], state))
@@ -154,7 +155,7 @@ def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_re
     pool.checkpoints.interval = 64
     pool.storage.tables.bind(1)
     with caplog.at_level(logging.WARNING, logger="sglang_dsv4.prefix_cache.checkpoints"):
-        pool.storage.tables.reserve(1, 400)  # snapshots at 64, 128, ..., 384: records for the first two only
+        pool.manager.reserve(1, 400)  # snapshots at 64, 128, ..., 384: records for the first two only
     assert [c.position for c in pool.checkpoints.pending[1]] == [64, 128]
     assert dict(pool.checkpoints.skipped) == {"records": 4, "window_slots": 0}
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1  # once per interval
@@ -164,7 +165,7 @@ def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_re
     pool.entries.commit(1, slots, 0, 400)
     snapshot = pool.checkpoints.take(1, 400)[-1]
     pool.checkpoints.resume(2, snapshot, slots)
-    pool.storage.tables.reserve(2, 400)
+    pool.manager.reserve(2, 400)
     assert (forward_with_snapshots(tiny_model, pool, 2, ids, 128, 400) - cold[128:]).abs().max() <= 1e-4
 
 
@@ -173,13 +174,12 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     first, second = random_ids(600, 1024, seed=89), random_ids(300, 1024, seed=90)
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 650)
-    pool.set_reclaim(lambda: False, lambda: False, lambda: False)  # no prefix cache: nothing cached to evict
     pool.checkpoints.interval = 64
     pool.storage.tables.bind(1)
-    pool.storage.tables.reserve(1, 600)  # its window and the snapshots' windows: every one of its 600 tokens
+    pool.manager.reserve(1, 600)  # its window and the snapshots' windows: every one of its 600 tokens
     assert len(pool.checkpoints.pending[1]) == 9 and pool.storage.window_slots.free == 50
     pool.storage.tables.bind(2)
-    pool.storage.tables.reserve(2, 300)  # its own last window + 1 must be found: row 1's newest snapshots go
+    pool.manager.reserve(2, 300)  # its own last window + 1 must be found: row 1's newest snapshots go
     assert int((pool.storage.tables.window_rows(2, 300 - window - 1, 300) > 0).sum()) == window + 1
     kept = [c.position for c in pool.checkpoints.pending[1]]
     assert kept == [64 * (i + 1) for i in range(len(kept))] and len(kept) < 9
@@ -195,7 +195,7 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     pool.storage.tables.free(1)
     pool.storage.tables.free(2)
     pool.checkpoints.resume(3, last_kept, slots)
-    pool.storage.tables.reserve(3, 600)
+    pool.manager.reserve(3, 600)
     resumed = forward_with_snapshots(tiny_model, pool, 3, first, last_kept.position, 600)
     assert (resumed - cold_first[last_kept.position :]).abs().max() <= 1e-4
 
@@ -208,23 +208,24 @@ def test_a_launched_forwards_row_lets_go_of_its_snapshots_windows_before_any_che
     make_scarce(pool, "window_slots", 650)
     cached: list = []  # the tree's checkpoints, least recently used first
 
-    def evict_checkpoint() -> bool:
-        if not cached:
-            return False
-        pool.checkpoints.release(cached.pop(0))
-        return True
+    class Tree(NothingCached):
+        def evict_one_checkpoint(self) -> bool:
+            if not cached:
+                return False
+            pool.checkpoints.release(cached.pop(0))
+            return True
 
-    pool.set_reclaim(evict_checkpoint, lambda: False, lambda: False)
+    pool.manager.bind_tree(Tree())
     pool.checkpoints.interval = 64
     tables = pool.storage.tables
     tables.bind(1)
-    tables.reserve(1, 600)  # its window and nine snapshots' windows: every one of its 600 tokens' slots
+    pool.manager.reserve(1, 600)  # its window and nine snapshots' windows: every one of its 600 tokens' slots
     tables.begin_forward()
     cached += pool.checkpoints.take(1, 600)  # the tree takes them
     assert len(cached) == 9 and pool.storage.window_slots.free == 50
     pool.checkpoints.interval = 0  # row 2 plans no snapshots: only its own window + 1 is asked for
     tables.bind(2)
-    tables.reserve(2, 300)
+    pool.manager.reserve(2, 300)
     assert int((tables.window_rows(2, 300 - window - 1, 300) > 0).sum()) == window + 1
     # Row 1 let go of all but its next forward's window; then the oldest checkpoints went until 79 more
     # slots were free (each frees the 64 its window does not share with the next one; the first none).
@@ -237,21 +238,20 @@ def test_room_for_windows_counts_only_what_running_requests_can_give_back(tiny_m
     window = tiny_model.config.sliding_window
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 3 * (window + 1))
-    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
-    pool.storage.tables.window_policy = ALL_COMMITTED
+    pool.manager.window_policy = ALL_COMMITTED
     pool.storage.tables.bind(1)
-    pool.storage.tables.reserve(1, 300)  # all_committed: every token's slot
-    pool.storage.tables.reserve(1, 301)
+    pool.manager.reserve(1, 300)  # all_committed: every token's slot
+    pool.manager.reserve(1, 301)
     assert pool.storage.window_slots.free == 3 * (window + 1) - 301
     # Row 1 falls back to what per_request keeps for its last forward (which may not have run):
     # the window before it, one slot for a checkpoint one step late, and its new token.
-    assert pool.storage.room_for_windows(window + 1)
+    assert pool.manager.room_for_windows(window + 1)
     assert pool.storage.window_slots.free == 3 * (window + 1) - (window + 2)
     pool.storage.tables.bind(2)
-    pool.storage.tables.reserve(2, 300)  # all of its window slots do not fit: what per_request keeps does
+    pool.manager.reserve(2, 300)  # all of its window slots do not fit: what per_request keeps does
     assert pool.storage.window_slots.free == window
-    assert not pool.storage.room_for_windows(window + 1)  # the two running windows hold the rest
-    assert pool.storage.room_for_windows(window)
+    assert not pool.manager.room_for_windows(window + 1)  # the two running windows hold the rest
+    assert pool.manager.room_for_windows(window)
 
 
 def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoints_and_the_next_exact(tiny_model):
@@ -260,16 +260,15 @@ def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoin
     first, second = random_ids(300, 1024, seed=91), random_ids(200, 1024, seed=92)
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 400)
-    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
     pool.checkpoints.interval = 128
     pool.storage.tables.bind(1)
-    pool.storage.tables.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
+    pool.manager.reserve(1, 300)  # snapshots at 128 and 256: every one of its 300 tokens' slots
     cold_first = tiny_model(first, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 1, first, 0, 300) - cold_first).abs().max() <= 1e-4
     # The next batch is reserved before the first forward's result is processed: row 2's own
     # window finds its slots by dropping row 1's newest snapshot, which that forward filled.
     pool.storage.tables.bind(2)
-    pool.storage.tables.reserve(2, 200)
+    pool.manager.reserve(2, 200)
     assert [c.position for c in pool.checkpoints.pending[1]] == [128]
     assert pool.checkpoints.skipped["window_slots"] >= 1
     cold_second = tiny_model(second, tiny_model.new_state())
@@ -283,7 +282,7 @@ def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoin
     pool.storage.tables.free(2)
     for checkpoint in resumable:
         pool.checkpoints.resume(3, checkpoint, slots)
-        pool.storage.tables.reserve(3, 301)
+        pool.manager.reserve(3, 301)
         ids = torch.cat([first, second[:1]])
         resumed = forward_with_snapshots(tiny_model, pool, 3, ids, checkpoint.position, 301)
         assert (resumed - tiny_model(ids, tiny_model.new_state())[checkpoint.position :]).abs().max() <= 1e-4
@@ -319,7 +318,7 @@ def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_
     for step in range(60):
         copied = tables.on_device.window_table.clone()
         row = int(torch.randint(1, 5, (1,), generator=generator))
-        tables.window_policy = (PER_REQUEST, ALL_COMMITTED)[step % 2]
+        pool.manager.window_policy = (PER_REQUEST, ALL_COMMITTED)[step % 2]
         if not tables.bound[row]:
             if checkpoints and step % 3 == 0:
                 pool.checkpoints.resume(row, checkpoints.pop(), slots)
@@ -330,7 +329,7 @@ def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_
         if position + length > 1000:
             tables.free(row)
         else:
-            tables.reserve(row, position + length)
+            pool.manager.reserve(row, position + length)
             if step % 5 == 0 and position + length > 0:
                 pool.entries.commit(row, slots, 0, position + length)
                 made = pool.checkpoints.make(row, position + length)
@@ -341,7 +340,7 @@ def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_
         if step % 3 == 2:
             tables.flush()
             assert_twins_equal(tables)
-    tables.clear()
+    pool.manager.clear()
     tables.flush()
     assert_twins_equal(tables)
     assert not tables.on_device.window_table.any()
@@ -354,15 +353,14 @@ def test_dropping_a_snapshot_of_the_forward_before_the_reserved_one_frees_only_i
     window = tiny_model.config.sliding_window
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "window_slots", 300)
-    pool.set_reclaim(lambda: False, lambda: False, lambda: False)
     pool.checkpoints.interval = 128
     tables = pool.storage.tables
     tables.bind(1)
-    tables.reserve(1, 200)  # a snapshot at 128, whose window (0 .. 127) lies before the next step
-    tables.reserve(1, 201)  # the next decode step, reserved before the tree takes it
+    pool.manager.reserve(1, 200)  # a snapshot at 128, whose window (0 .. 127) lies before the next step
+    pool.manager.reserve(1, 201)  # the next decode step, reserved before the tree takes it
     assert [c.position for c in pool.checkpoints.pending[1]] == [128]
     held = pool.storage.window_slots.free
     tables.bind(2)
-    tables.reserve(2, held + 1)  # more than is free: the snapshot at 128 goes, row 1 keeps its window
+    pool.manager.reserve(2, held + 1)  # more than is free: the snapshot at 128 goes, row 1 keeps its window
     assert pool.checkpoints.pending[1] == [] and pool.checkpoints.skipped["window_slots"] == 1
     assert int((tables.window_rows(1, 201 - window - 1, 201) > 0).sum()) == window + 1

@@ -7,18 +7,15 @@ holding its compressed entry (and indexer key). Rows are shared by reference cou
 (:class:`~.shared_rows.SharedRows`), so a request resumed from a checkpoint points at
 the checkpoint's rows instead of copying them.
 
-SGLang drives the tables as the auxiliary cache of its request-to-token pool: rows are
-reserved before every forward up to the request's new length (``alloc_to_lengths``)
-and returned when SGLang frees the request's row (``free``), on every path it frees
-requests. A row is bound to a request (fresh, or resumed from a checkpoint) by the
-prefix cache when SGLang allocates it; see :mod:`sglang_dsv4.prefix_cache.tree`.
-
-Window policy (:mod:`.window_policy`): ``per_request`` keeps only the slots a forward or a
-checkpoint can still read (the last window plus one token, SGLang's one-step scheduling lag,
-and the window behind each snapshot position); ``all_committed`` keeps every slot the request
-wrote until it is freed, as far as the window slots allow: a forward they cannot hold keeps
-what ``per_request`` keeps, and under pressure every row falls back to it
-(:meth:`RequestTables.keep_only_what_forwards_read`).
+The cache manager (:mod:`sglang_dsv4.prefix_cache.manager`), SGLang's auxiliary cache of its
+request-to-token pool, reserves a row's rows before every forward up to the request's new length
+(:meth:`RequestTables.reserve`, once it has made room) and returns them when SGLang frees the
+request's row (:meth:`RequestTables.free`), on every path it frees requests. A row is bound to
+a request (fresh, or resumed from a checkpoint) when SGLang allocates it. A row holds the slots a
+forward or a checkpoint can still read (the last window plus one token, SGLang's one-step
+scheduling lag, and the window behind each snapshot position), and under ``all_committed`` the
+slots of every token it wrote, as far as the window slots allow; under pressure every row lets go
+of what no forward reads (:meth:`RequestTables.keep_only_what_forwards_read`).
 
 The scheduler changes the tables on the host (allocating rows is host work); the forward reads
 them on the device. Each table is a :class:`MirroredTable`: written on the host, its changed
@@ -32,14 +29,12 @@ CPU the twin is the host table itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .layout import TABLE_DTYPE
 from .shared_rows import SharedRows
-from .window_policy import PER_REQUEST, WindowPolicy
 
 
 class UnboundRequestRow(RuntimeError):
@@ -127,10 +122,6 @@ class RequestTables:
         self.held_from = [0] * request_rows  # window slots below this position are released
         self.bound = [False] * request_rows
         self.unlaunched: set[int] = set()  # rows reserved since the last forward began
-        self.window_policy: WindowPolicy = PER_REQUEST
-        # Called when a row's forward of tokens start .. end - 1 is reserved (the pool plans its snapshots).
-        self.on_reserve: Callable[[int, int, int], None] = lambda row, start, end: None
-        self.on_free: Callable[[int], None] = lambda row: None
 
     def flush(self) -> None:
         """Bring the device tables up to date with the host's (before a forward reads them)."""
@@ -179,13 +170,9 @@ class RequestTables:
             self.entry_count[ratio][row] = len(rows)
 
     def reserve(self, row: int, target: int) -> None:
-        """Rows for a forward from the row's position up to ``target`` tokens.
-
-        First what the forward cannot run without (the window slots of its last ``window + 1``
-        tokens and the entry rows of its blocks; :meth:`SharedRows.alloc`), then what is
-        optional: under ``all_committed`` the slots of its other tokens, and the snapshots
-        the pool plans (``on_reserve``), which take only what is left.
-        """
+        """What a forward from the row's position up to ``target`` tokens cannot run without, from
+        what is free: the window slots of its last ``window + 1`` tokens and the entry rows of its
+        blocks (:meth:`SharedRows.alloc` reports a shortage)."""
         if not self.bound[row]:
             raise UnboundRequestRow(
                 f"request row {row} runs a forward without a bound request: DeepSeek-V4 needs the dsv4 radix "
@@ -194,18 +181,14 @@ class RequestTables:
         start = self.position[row]
         if target <= start:
             return
-        self.window_policy.before_reserve(self, row, start)
         own = torch.arange(target - self.window_slots_for_forward(target - start), target)
         self._window.write(row, own, self.window_slots.alloc(len(own)))
         self.unlaunched.add(row)
-        for ratio in self.ratios:
-            have, need = self.entry_count[ratio][row], target // ratio
-            if need > have:
-                self.write_entries(ratio, row, slice(have, need), self.entry_rows[ratio].alloc(need - have))
-                self.entry_count[ratio][row] = need
+        for ratio, count in self.entry_rows_for_forward(row, target).items():
+            have = self.entry_count[ratio][row]
+            self.write_entries(ratio, row, slice(have, have + count), self.entry_rows[ratio].alloc(count))
+            self.entry_count[ratio][row] = have + count
         self.position[row], self.last_step[row] = target, target - start
-        self.window_policy.after_reserve(self, row, start, target)
-        self.on_reserve(row, start, target)
 
     def window_slots_for_forward(self, tokens: int) -> int:
         """Window slots of its own a forward of ``tokens`` new tokens of one row takes: those of its
@@ -213,16 +196,27 @@ class RequestTables:
         The one count that SGLang's admission and decode checks ask room for."""
         return min(tokens, self.window + 1)
 
+    def entry_rows_for_forward(self, row: int, target: int) -> dict[int, int]:
+        """Per ratio, the entry rows a forward of the row up to ``target`` tokens takes (its new blocks)."""
+        return {r: max(0, target // r - self.entry_count[r][row]) for r in self.ratios}
+
+    def window_slots_missing(self, row: int, first: int, last: int) -> int:
+        """How many of the row's positions ``first .. last - 1`` it holds no slot for (:meth:`hold_window`)."""
+        return len(self._missing(row, first, last))
+
     def hold_window(self, row: int, first: int, last: int) -> bool:
         """Optional slots for the row's positions ``first .. last - 1`` it does not hold yet
-        (a snapshot's window, or all_committed's): all of them from what is free or cached, or none."""
-        positions = torch.arange(max(first, self.held_from[row], 0), last)
-        missing = positions[self.window_table[row, positions] == 0]
+        (a snapshot's window, or all_committed's): all of them from what is free, or none."""
+        missing = self._missing(row, first, last)
         slots = self.window_slots.try_alloc(len(missing))
         if slots is None:
             return False
         self._window.write(row, missing, slots)
         return True
+
+    def _missing(self, row: int, first: int, last: int) -> torch.Tensor:
+        positions = torch.arange(max(first, self.held_from[row], 0), last)
+        return positions[self.window_table[row, positions] == 0]
 
     def release_window(self, row: int, positions: torch.Tensor) -> None:
         """Let the row's slots at ``positions`` go (nothing reads them any more): a forward that
@@ -281,18 +275,12 @@ class RequestTables:
         gaps = (slots == 0).nonzero()
         return slots[int(gaps[-1]) + 1 :].clone() if len(gaps) else slots.clone()
 
-    # --- SGLang's auxiliary-cache interface ------------------------------------------------
-
-    def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
-        """Before a forward. Rows not bound yet are bound (and reserved) by the prefix cache."""
-        for row, length in zip(req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist(), strict=True):
-            if self.bound[row]:
-                self.reserve(row, int(length))
+    # --- returning a row's rows -------------------------------------------------------------
 
     def free(self, row: int) -> None:
+        """The row's request is gone: its window slots and entry rows go back."""
         if not self.bound[row]:
             return
-        self.on_free(row)
         held = slice(self.held_from[row], self.position[row])
         self.window_slots.release(self.window_table[row, held])
         self._window.write(row, held, 0)
@@ -305,9 +293,3 @@ class RequestTables:
         self.unlaunched.discard(row)
         self.position[row] = self.held_from[row] = self.last_step[row] = 0
 
-    def clear(self) -> None:
-        for row in range(self.request_rows):
-            self.free(row)
-
-    def reset_allocator(self) -> None:
-        self.clear()

@@ -5,24 +5,20 @@ and then only read, so a running request, its checkpoints and the requests resum
 them share it by counting references; it returns to the free list when the last one
 lets go. Row 0 is padding: never handed out, the value unused table cells point at.
 
-Two kinds of allocation. What a forward cannot run without (its window and entry rows) is
-:meth:`SharedRows.alloc`: it first lets everything optional give rows back
-(``reclaim_for_forwards``: for window slots, what rows hold beyond what forwards read, the prefix
-cache's least recently used checkpoints, snapshots not taken yet), and raises only if even that is
-not enough — which the pool's sizing rules out (:mod:`.layout`). What is optional (a checkpoint)
-is :meth:`SharedRows.try_alloc`: what the prefix cache gives back (``reclaim_optional``), else
-nothing.
+Rows are only ever taken from what is free: :meth:`SharedRows.alloc` for what a forward cannot
+run without (a shortage raises :class:`PoolExhausted`: whoever asks makes room first, and the
+pool's sizing leaves room once everything optional is given back, :mod:`.layout`),
+:meth:`SharedRows.try_alloc` for what is optional (``None`` when short). Making room is the
+cache manager's (:mod:`sglang_dsv4.prefix_cache.manager`); an allocator calls nothing.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 
 class PoolExhausted(RuntimeError):
-    """No free row even after reclaiming what the prefix cache and other requests could give back."""
+    """Fewer free rows than a forward cannot run without."""
 
 
 class SharedRows:
@@ -31,10 +27,6 @@ class SharedRows:
         self.name = name
         self.refs = torch.zeros(capacity + 1, dtype=torch.int32)
         self.free_list: list[int] = []
-        # Called in turn when rows run short, each until it frees nothing more: for an optional row,
-        # and for a row a forward cannot run without.
-        self.reclaim_optional: tuple[Callable[[], bool], ...] = ()
-        self.reclaim_for_forwards: tuple[Callable[[], bool], ...] = ()
         self.clear()
 
     @property
@@ -42,28 +34,14 @@ class SharedRows:
         return len(self.free_list)
 
     def alloc(self, count: int) -> torch.Tensor:
-        """``count`` fresh rows, each with one reference, for what a forward cannot run without."""
-        if not self.room_for_forwards(count):
+        """``count`` free rows, each with one reference, for what a forward cannot run without."""
+        if count > self.free:
             raise PoolExhausted(f"{self.name}: {count} rows wanted, {self.free} free of {self.capacity}")
         return self._take(count)
 
     def try_alloc(self, count: int) -> torch.Tensor | None:
-        """``count`` fresh rows if they can be had by taking back what the cache holds, else ``None``."""
-        return self._take(count) if self.room_for_optional(count) else None
-
-    def room_for_forwards(self, count: int) -> bool:
-        """Whether ``count`` rows are free once everything optional gave back what it could."""
-        return self._make_room(count, self.reclaim_for_forwards)
-
-    def room_for_optional(self, count: int) -> bool:
-        """Whether ``count`` rows are free once the prefix cache gave back what it could."""
-        return self._make_room(count, self.reclaim_optional)
-
-    def _make_room(self, count: int, reclaimers: tuple[Callable[[], bool], ...]) -> bool:
-        for reclaim in reclaimers:
-            while count > len(self.free_list) and reclaim():
-                pass
-        return count <= len(self.free_list)
+        """``count`` free rows for something optional, or ``None`` when fewer are free."""
+        return self._take(count) if count <= self.free else None
 
     def _take(self, count: int) -> torch.Tensor:
         if count == 0:
@@ -90,6 +68,18 @@ class SharedRows:
     def clear(self) -> None:
         self.refs.zero_()
         self.free_list = list(range(self.capacity, 0, -1))
+
+    def miscounted(self, held: torch.Tensor) -> int:
+        """How many rows' reference counts differ from the number of times they appear in ``held``
+        (everything that holds rows, concatenated), or are free but referenced, or the reverse."""
+        held = held[held > 0]
+        counts = torch.zeros_like(self.refs)
+        counts.index_add_(0, held, torch.ones_like(held, dtype=torch.int32))
+        free = torch.zeros_like(self.refs, dtype=torch.bool)
+        free[torch.tensor(self.free_list, dtype=torch.int64)] = True
+        wrong = (counts != self.refs) | (free != (self.refs == 0))
+        wrong[0] = False
+        return int(wrong.sum())
 
     def usage(self) -> dict[str, int]:
         return {"total": self.capacity, "free": self.free}

@@ -92,12 +92,6 @@ class V4PoolStorage:
             **{f"ratio_{r}_entries": rows.usage() for r, rows in sorted(self.entry_rows.items())},
         }
 
-    def room_for_windows(self, count: int) -> bool:
-        """Whether forwards can have ``count`` window slots of their own: the same count of free
-        slots that reserving their rows would find, freed the same way (SGLang's admission and
-        decode checks ask before the forwards' rows are reserved)."""
-        return self.window_slots.room_for_forwards(count)
-
     # --- state records ---------------------------------------------------------------------
 
     def save_record(self, request: int, record: int, *, one_step_back: bool = False) -> None:

@@ -4,17 +4,18 @@ resumed from, released.
 A :class:`~sglang_dsv4.memory_pool.checkpoint.Checkpoint` shares the window slots it needs
 with the request that made it, so making one copies only the small state record. Snapshots
 inside a forward (every ``interval`` tokens, and one token before the end of a prefill) are
-planned when the forward's rows are reserved (:meth:`Checkpoints.plan`), filled by the
-attention backend as its layers pass their positions, and taken by the tree when it inserts
-the request's tokens (:meth:`Checkpoints.take`); a request's live state gives one at its
-current end (:meth:`Checkpoints.make`).
+planned when the cache manager reserves the forward's rows (:meth:`Checkpoints.positions`,
+:meth:`Checkpoints.plan`), filled by the attention backend as its layers pass their positions,
+and taken by the tree when it inserts the request's tokens (:meth:`Checkpoints.take`); a
+request's live state gives one at its current end (:meth:`Checkpoints.make`).
 
 Running short never raises into the scheduler. A checkpoint is optional: when its state
-record or window slots cannot be had, even after the prefix cache gives back its least
-recently used checkpoint, it is skipped and counted (:attr:`Checkpoints.skipped`, logged at
-most once per ``SKIP_LOG_INTERVAL_S``). A forward's own window slots are not optional: for
-them the pool also drops snapshots not taken yet (:meth:`Checkpoints.drop_newest`), and
-SGLang's admission and decode checks hold back what still does not fit (:mod:`.admission`).
+record or window slots cannot be had, even after the manager (:mod:`.manager`) has the tree
+give back its least recently used checkpoints, it is skipped and counted
+(:attr:`Checkpoints.skipped`, logged at most once per ``SKIP_LOG_INTERVAL_S``). A forward's
+own window slots are not optional: for them the manager also drops snapshots not taken yet
+(:meth:`Checkpoints.drop_newest`), and SGLang's admission and decode checks hold back what
+still does not fit (:mod:`.admission`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ class Checkpoints:
         self.skipped: Counter[str] = Counter({NO_RECORD: 0, NO_WINDOW_SLOTS: 0})
         self._skips_logged: Counter[str] = Counter()
         self._skip_logged_at = -SKIP_LOG_INTERVAL_S
-        storage.tables.on_reserve = self.plan
-        storage.tables.on_free = self._drop_pending
 
     # --- snapshots inside a forward ------------------------------------------------------------
 
@@ -61,18 +60,12 @@ class Checkpoints:
             positions.add(end - 1)
         return sorted(positions)
 
-    def plan(self, request: int, start: int, end: int) -> None:
-        """The checkpoints a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""
-        storage, window = self.storage, self.storage.config.sliding_window
-        for position in self.positions(start, end):
-            if not storage.records.room_for_optional(1):
-                self._skip(NO_RECORD)
-            elif not storage.tables.hold_window(request, position - window, position):
-                self._skip(NO_WINDOW_SLOTS)
-            else:
-                checkpoint = self._new(request, position, window)
-                if checkpoint is not None:
-                    self.pending.setdefault(request, []).append(checkpoint)
+    def plan(self, request: int, position: int) -> None:
+        """A snapshot at ``position`` in the row's reserved forward, which holds its window and whose
+        record is free (or, if none is, skipped)."""
+        checkpoint = self._new(request, position, self.storage.config.sliding_window)
+        if checkpoint is not None:
+            self.pending.setdefault(request, []).append(checkpoint)
 
     def between(self, request: int, start: int, end: int) -> list[Checkpoint]:
         """The checkpoints a forward of ``start .. end - 1`` fills, in position order."""
@@ -85,7 +78,8 @@ class Checkpoints:
         self.pending[request] = [c for c in pending if c.position > up_to]
         return taken
 
-    def _drop_pending(self, request: int) -> None:
+    def drop_pending(self, request: int) -> None:
+        """The row is freed: its snapshots not taken yet go."""
         for checkpoint in self.pending.pop(request, []):
             self.release(checkpoint)
 
@@ -121,10 +115,10 @@ class Checkpoints:
         # scheduler reserves the next step before taking the last one's) frees just its share.
         positions = torch.arange(max(start, dropped.position - window), max(start, dropped.position))
         tables.release_window(row, positions[~needed[positions]])
-        self._skip(NO_WINDOW_SLOTS)
+        self.skip(NO_WINDOW_SLOTS)
         return True
 
-    def _skip(self, reason: str) -> None:
+    def skip(self, reason: str) -> None:
         """Count a skipped checkpoint; log the counts at most once per ``SKIP_LOG_INTERVAL_S``."""
         self.skipped[reason] += 1
         now = time.monotonic()
@@ -172,7 +166,7 @@ class Checkpoints:
             return None
         record = storage.records.try_alloc(1)
         if record is None:
-            self._skip(NO_RECORD)
+            self.skip(NO_RECORD)
             return None
         storage.window_slots.share(slots)
         return Checkpoint(position, slots, int(record[0]))
@@ -187,12 +181,15 @@ class Checkpoints:
         self.storage.restore_record(request, checkpoint.record)
         checkpoint.touch()
 
-    def trim_to_resumed_window(self, checkpoint: Checkpoint) -> None:
+    def trim_to_resumed_window(self, checkpoint: Checkpoint) -> bool:
         """Let go of the checkpoint's window slots before the last ``sliding_window``: a request
-        resumed from it reads only those (:meth:`resume`)."""
+        resumed from it reads only those (:meth:`resume`). Whether it held any."""
         window = self.storage.config.sliding_window
+        if len(checkpoint.window) <= window:
+            return False
         self.storage.window_slots.release(checkpoint.window[:-window])
         checkpoint.window = checkpoint.window[-window:]
+        return True
 
     def release(self, checkpoint: Checkpoint) -> None:
         self.storage.window_slots.release(checkpoint.window)

@@ -19,7 +19,7 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
     chosen = settings()
     return V4RadixCache(
         ctx.params,
-        pool,
+        pool.manager,
         prefix_hits=chosen.prefix_hits,
         window_policy=chosen.window_policy,
         checkpoint_interval=chosen.checkpoint_interval,

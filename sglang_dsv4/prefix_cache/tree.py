@@ -18,12 +18,13 @@ Where checkpoints come from (``prefix_hits``, :mod:`.prefix_hits`):
 
 Checkpoints share their rows with requests by reference count, so evicting one never
 breaks a running request; one on a locked node (a request between its match and its
-allocation) is never evicted. Under row pressure the pool asks for the least recently
-used checkpoint back (:meth:`V4RadixCache.evict_one_checkpoint`) before any persistent
-KV goes: SGLang evicts token slots (and the checkpoints of the leaves it drops) only
-when it needs tokens. A checkpoint that cannot be had even then is skipped (the pool
-counts it); a request whose own window slots cannot be had waits or is retracted
-(:mod:`.admission`).
+allocation) is never evicted. The tree reaches the pool only through the cache manager
+(:class:`~.manager.CacheManager`), which is bound to it: under row pressure the manager
+asks for the least recently used checkpoint back (:meth:`V4RadixCache.evict_one_checkpoint`)
+before any persistent KV goes; SGLang evicts token slots (and the checkpoints of the leaves
+it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
+(the manager counts it); a request whose own window slots cannot be had waits or is
+retracted (:mod:`.admission`).
 """
 
 from __future__ import annotations
@@ -31,36 +32,35 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from ..kv_cache import V4KVPool
 from ..memory_pool.checkpoint import Checkpoint
-from ..memory_pool.window_policy import WINDOW_POLICY_OF
 from . import PREFIX_HITS, WINDOW_POLICIES
+from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
+from .window_policy import WINDOW_POLICY_OF
 
 
 class V4RadixCache(RadixCache):
     def __init__(
         self,
         params: CacheInitParams,
-        pool: V4KVPool,
+        manager: CacheManager,
         *,
         prefix_hits: str,
         window_policy: str,
         checkpoint_interval: int,
     ):
-        self.pool = pool
+        self.manager = manager
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.checkpoint_interval = checkpoint_interval
         # Requests held back because their window slots did not fit (see .admission).
         self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
         super().__init__(params)
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
-        pool.set_reclaim(self.evict_one_checkpoint, self._evict_some_tokens, self.keep_only_resumed_windows)
+        manager.bind_tree(self)
 
     # --- modes ------------------------------------------------------------------------------
 
@@ -70,26 +70,26 @@ class V4RadixCache(RadixCache):
         if prefix_hits is not None:
             self.prefix_hits = PREFIX_HITS_OF[prefix_hits]
         if window_policy is not None:
-            self.pool.storage.tables.window_policy = WINDOW_POLICY_OF[window_policy]
-        checkpoints = self.pool.checkpoints
+            self.manager.window_policy = WINDOW_POLICY_OF[window_policy]
+        checkpoints = self.manager.checkpoints
         checkpoints.interval = 0 if self.disable else self.prefix_hits.snapshot_interval(self.checkpoint_interval)
         checkpoints.before_extend_end = self.prefix_hits.checkpoints_at_calls and not self.disable
 
     def modes(self) -> dict[str, object]:
         return {
             "prefix_hits": self.prefix_hits.name,
-            "window_policy": self.pool.storage.tables.window_policy.name,
-            "checkpoint_interval": self.pool.checkpoints.interval,
+            "window_policy": self.manager.window_policy.name,
+            "checkpoint_interval": self.manager.checkpoints.interval,
         }
 
     # --- SGLang's calls -----------------------------------------------------------------------
 
     def reset(self) -> None:
         for checkpoint in self.checkpoints.values():
-            self.pool.checkpoints.release(checkpoint)
+            self.manager.checkpoints.release(checkpoint)
         self.checkpoints.clear()
         if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
-            self.pool.entries.release_slots(self.all_values_flatten())
+            self.manager.entries.release_slots(self.all_values_flatten())
         super().reset()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -116,50 +116,49 @@ class V4RadixCache(RadixCache):
         # The row now reads the tree's slots; its own copies of them were freed by the insert,
         # and so go its entries of blocks the tree already had.
         self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
-        self.pool.entries.adopt(row, tree_slots, protected, max(existing, protected))
-        self.pool.entries.commit(row, tree_slots, max(existing, protected), len(tree_slots))
+        self.manager.entries.adopt(row, tree_slots, protected, max(existing, protected))
+        self.manager.entries.commit(row, tree_slots, max(existing, protected), len(tree_slots))
         req.kv.cache_protected_len = len(tree_slots)
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
 
-        for snapshot in self.pool.checkpoints.take(row, up_to):
+        for snapshot in self.manager.checkpoints.take(row, up_to):
             self._attach(radix_key, snapshot)
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
         # all_committed, also keeps every window slot the request held (in aligned mode, unless at
         # a page boundary, that is all it does: the tree holds them until evicted).
-        commit_all = req.finished() and self.pool.storage.tables.window_policy.commits_every_slot
+        commit_all = req.finished() and self.manager.window_policy.commits_every_slot
         if self.prefix_hits.checkpoints_at_calls or commit_all:
-            live = self.pool.checkpoints.make(row, up_to, commit_all)
+            live = self.manager.make_checkpoint(row, up_to, commit_all)
             if live is not None:
                 self._attach(radix_key, live)
 
     def maybe_hand_to_session(self, req) -> None:
         """Right after SGLang gives a request its row: bind the row, resuming at the match."""
         row = req.kv.req_pool_idx
-        if self.pool.storage.tables.bound[row]:
+        if self.manager.tables.bound[row]:
             return  # a later chunk of a running request
+        resume = None
         if req.prefix_len > 0:
             checkpoint = self.checkpoints.get(req.last_node)
             if checkpoint is None or checkpoint.position != req.prefix_len:
                 raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
-            self.pool.checkpoints.resume(row, checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
-        else:
-            self.pool.storage.tables.bind(row)
-        self.pool.storage.tables.reserve(row, req.kv.kv_allocated_len)
+            resume = (checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
+        self.manager.start(row, req.kv.kv_allocated_len, resume)
 
     def window_slots_for_forward(self, tokens: int) -> int:
         """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
-        return self.pool.storage.tables.window_slots_for_forward(tokens)
+        return self.manager.tables.window_slots_for_forward(tokens)
 
     def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
         """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``
         (the match of the request asking, not locked yet)."""
         if keep is None or keep is self.root_node:
-            return self.pool.storage.room_for_windows(count)
+            return self.manager.room_for_windows(count)
         self.inc_lock_ref(keep)
         try:
-            return self.pool.storage.room_for_windows(count)
+            return self.manager.room_for_windows(count)
         finally:
             self.dec_lock_ref(keep)
 
@@ -172,26 +171,24 @@ class V4RadixCache(RadixCache):
         if not candidates:
             return False
         _, _, node = min(candidates)
-        self.pool.checkpoints.release(self.checkpoints.pop(node))
+        self.manager.checkpoints.release(self.checkpoints.pop(node))
         return True
 
     def keep_only_resumed_windows(self) -> bool:
         """Under window-slot pressure every checkpoint, locked ones too, keeps only the window a request
         resumed from it reads (all_committed's committed windows fall back to what per_request keeps);
-        whether that freed any slot."""
-        free_before = self.pool.storage.window_slots.free
-        for checkpoint in self.checkpoints.values():
-            self.pool.checkpoints.trim_to_resumed_window(checkpoint)
-        return self.pool.storage.window_slots.free > free_before
+        whether any held more."""
+        trimmed = [self.manager.checkpoints.trim_to_resumed_window(c) for c in self.checkpoints.values()]
+        return any(trimmed)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         checkpoint = self.checkpoints.pop(node, None)
         if checkpoint is not None:
-            self.pool.checkpoints.release(checkpoint)
-        self.pool.entries.release_slots(node.value)
+            self.manager.checkpoints.release(checkpoint)
+        self.manager.entries.release_slots(node.value)
         super()._delete_leaf(node)
 
-    def _evict_some_tokens(self) -> bool:
+    def evict_some_tokens(self) -> bool:
         """Entry rows ran short: evict least recently used cached tokens (a page's worth)."""
         return self.evict(EvictParams(num_tokens=ALIGNED_PAGE)).num_tokens_evicted > 0
 
@@ -214,7 +211,7 @@ class V4RadixCache(RadixCache):
         """Hang ``checkpoint`` on the node ending at its position (splitting one if needed)."""
         _, node = self._match_prefix_helper(self.root_node, radix_key[: checkpoint.position])
         if node is self.root_node or self._depth(node) != checkpoint.position or node in self.checkpoints:
-            self.pool.checkpoints.release(checkpoint)  # the position is already covered (or not in the tree)
+            self.manager.checkpoints.release(checkpoint)  # the position is already covered (or not in the tree)
             if node in self.checkpoints:
                 self.checkpoints[node].touch()
             return
@@ -222,12 +219,10 @@ class V4RadixCache(RadixCache):
 
     def checkpoint_report(self) -> dict[str, int]:
         """Checkpoints held and the window bytes they keep (slots shared between them counted once)."""
-        windows = [c.window for c in self.checkpoints.values()]
-        slots = int(torch.unique(torch.cat(windows)).numel()) if windows else 0
         return {
             "checkpoints": len(self.checkpoints),
-            "checkpoint_window_bytes": slots * self.pool.storage.layout.window_slot_bytes,
-            "checkpoints_skipped": dict(self.pool.checkpoints.skipped),
+            "checkpoint_window_bytes": self.manager.checkpoint_window_bytes(list(self.checkpoints.values())),
+            "checkpoints_skipped": dict(self.manager.checkpoints.skipped),
             "requests_held_back": dict(self.held_back),
         }
 
@@ -247,47 +242,13 @@ class V4RadixCache(RadixCache):
                 nodes.append(child)
         for checkpoint in sorted(self.checkpoints.values(), key=lambda c: (c.position, c.record)):
             digest.update(repr((checkpoint.position, checkpoint.record, checkpoint.window.tolist())).encode())
-        storage = self.pool.storage
-        for rows in (storage.window_slots, storage.records, *storage.entry_rows.values()):
-            digest.update(rows.refs.numpy().tobytes())
+        digest.update(self.manager.reference_counts())
         return digest.hexdigest()
 
     def audit(self) -> dict[str, int]:
-        """Rows whose reference count differs from what the rows, checkpoints and pending
-        snapshots hold, per kind of row (all zero when nothing leaked or was freed twice)."""
-        storage, tables = self.pool.storage, self.pool.storage.tables
-        pending = self.pool.checkpoints.pending
-        expected = {
-            "window_slots": [],
-            "checkpoint_records": [],
-            **{f"ratio_{r}_entries": [] for r in storage.entry_rows},
-        }
-        holders = [*self.checkpoints.values(), *(c for row in pending.values() for c in row)]
-        for checkpoint in holders:
-            expected["window_slots"].append(checkpoint.window)
-            expected["checkpoint_records"].append(torch.tensor([checkpoint.record]))
-        for ratio, of_slot in self.pool.entries.of_slot.items():
-            expected[f"ratio_{ratio}_entries"].append(of_slot)
-        for row in range(tables.request_rows):
-            if tables.bound[row]:
-                expected["window_slots"].append(tables.window_table[row, tables.held_from[row] : tables.position[row]])
-                for ratio in tables.ratios:
-                    count = tables.entry_count[ratio][row]
-                    expected[f"ratio_{ratio}_entries"].append(tables.entries(row, ratio, 0, count))
-        shared = {"window_slots": storage.window_slots, "checkpoint_records": storage.records}
-        shared.update({f"ratio_{r}_entries": rows for r, rows in storage.entry_rows.items()})
-        report = {}
-        for name, rows in shared.items():
-            counts = torch.zeros_like(rows.refs)
-            held = torch.cat(expected[name]) if expected[name] else torch.zeros(0, dtype=torch.int64)
-            held = held[held > 0]
-            counts.index_add_(0, held, torch.ones_like(held, dtype=torch.int32))
-            free = torch.zeros_like(rows.refs, dtype=torch.bool)
-            free[torch.tensor(rows.free_list, dtype=torch.int64)] = True
-            wrong = (counts != rows.refs) | (free != (rows.refs == 0))
-            wrong[0] = False
-            report[name] = int(wrong.sum())
-        return report
+        """Rows whose reference count differs from what holds them, per kind of row (all zero when
+        nothing leaked or was freed twice; :meth:`CacheManager.audit`)."""
+        return self.manager.audit(list(self.checkpoints.values()))
 
 
 def check_modes(*, prefix_hits: str | None = None, window_policy: str | None = None) -> None:

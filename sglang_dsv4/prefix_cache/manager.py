@@ -1,0 +1,212 @@
+"""The cache manager: the one owner of the order in which the V4 pool's rows are taken and given back.
+
+SGLang's request pool holds it as its auxiliary cache (``alloc_to_lengths`` before every forward,
+``free`` when a request's row goes), and the radix tree, built after the pool, is bound to it
+(:meth:`CacheManager.bind_tree`). For each forward of a request row it
+
+1. makes room for what the forward cannot run without — the window slots of its last
+   ``sliding_window + 1`` tokens and the entry rows of its blocks — and takes them
+   (:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.reserve`);
+2. then, as far as room can be made by evicting only what the cache holds, what is optional:
+   under ``all_committed`` the slots of the forward's other tokens, and the snapshots the
+   checkpoint planner puts in the forward (:class:`~.checkpoints.Checkpoints`).
+
+Room for what a forward cannot run without is made cheapest loss first: rows let go of what no
+forward reads, checkpoints of what no resume reads (all_committed's windows fall back to what
+per_request keeps), the tree's least recently used checkpoints go, then snapshots not taken yet
+(for window slots); the tree's least recently used tokens (for entry rows). SGLang's admission
+and decode checks ask :meth:`CacheManager.room_for_windows` for the same count, made the same
+way. Nothing below calls up: the allocators (:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`)
+take only what is free and report a shortage, the tables and the planner hold no callables.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..memory_pool.checkpoint import Checkpoint
+from ..memory_pool.shared_rows import SharedRows
+from ..memory_pool.storage import V4PoolStorage
+from .checkpoints import NO_RECORD, NO_WINDOW_SLOTS, Checkpoints
+from .entry_ownership import EntryOwnership
+from .window_policy import PER_REQUEST, WindowPolicy
+
+
+class Evictions(Protocol):
+    """What the prefix tree gives back when the manager asks; each says whether it freed anything."""
+
+    def evict_one_checkpoint(self) -> bool:
+        """Release the least recently used checkpoint no request is about to resume from."""
+
+    def keep_only_resumed_windows(self) -> bool:
+        """Every checkpoint keeps only the window a request resumed from it reads."""
+
+    def evict_some_tokens(self) -> bool:
+        """Evict least recently used cached tokens (and the entries and checkpoints they keep)."""
+
+
+class NothingCached:
+    """The evictions of a pool no prefix tree is bound to (yet): nothing is cached, nothing to give back."""
+
+    def evict_one_checkpoint(self) -> bool:
+        return False
+
+    def keep_only_resumed_windows(self) -> bool:
+        return False
+
+    def evict_some_tokens(self) -> bool:
+        return False
+
+
+class CacheManager:
+    def __init__(self, storage: V4PoolStorage):
+        self.storage, self.tables = storage, storage.tables
+        self.entries = EntryOwnership(storage)
+        self.checkpoints = Checkpoints(storage, self.entries)
+        self.window_policy: WindowPolicy = PER_REQUEST
+        self.tree: Evictions = NothingCached()
+
+    def bind_tree(self, tree: Evictions) -> None:
+        """The prefix tree, built after the pool: what the manager evicts from when rows run short."""
+        self.tree = tree
+
+    # --- a request row's forwards ---------------------------------------------------------------
+
+    def start(self, row: int, target: int, resume: tuple[Checkpoint, torch.Tensor] | None = None) -> None:
+        """Bind the free ``row`` — fresh, or continuing from a checkpoint whose prefix's token slots
+        are given — and reserve its first forward, up to ``target`` tokens."""
+        if resume is None:
+            self.tables.bind(row)
+        else:
+            self.checkpoints.resume(row, *resume)
+        self.reserve(row, target)
+
+    def reserve(self, row: int, target: int) -> None:
+        """Rows for the row's forward up to ``target`` tokens: what it cannot run without, then what is optional."""
+        start = self.tables.position[row]
+        if target <= start:
+            return
+        self.window_policy.before_reserve(self, row, start)
+        self._room_for_forward(row, target)
+        self.tables.reserve(row, target)
+        self.window_policy.after_reserve(self, row, start, target)
+        self._plan_snapshots(row, start, target)
+
+    def room_for_windows(self, count: int) -> bool:
+        """Whether forwards can have ``count`` window slots of their own, made as reserving makes
+        them (SGLang's admission and decode checks ask before the forwards' rows are reserved)."""
+        slots = self.storage.window_slots
+        for give_back in (
+            self.tables.keep_only_what_forwards_read,
+            self.tree.keep_only_resumed_windows,
+            self.tree.evict_one_checkpoint,
+            self.checkpoints.drop_newest,
+        ):
+            while slots.free < count and give_back():
+                pass
+        return slots.free >= count
+
+    def free(self, row: int) -> None:
+        """SGLang freed the request row: its snapshots not taken yet, its window slots and entries go."""
+        self.checkpoints.drop_pending(row)
+        self.tables.free(row)
+
+    # --- SGLang's auxiliary-cache interface ----------------------------------------------------
+
+    def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
+        """Before a forward. Rows not bound yet are started by the prefix tree (:meth:`start`)."""
+        for row, length in zip(req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist(), strict=True):
+            if self.tables.bound[row]:
+                self.reserve(row, int(length))
+
+    @property
+    def dense_capacity(self) -> int:
+        """Tokens the scheduler may place: the token pool's, which the entry rows cover."""
+        return self.tables.dense_capacity
+
+    def clear(self) -> None:
+        for row in range(self.tables.request_rows):
+            self.free(row)
+
+    def reset_allocator(self) -> None:
+        self.clear()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def make_checkpoint(self, row: int, position: int, commit_all: bool = False) -> Checkpoint | None:
+        """A checkpoint of the row's live state at ``position`` (:meth:`Checkpoints.make`), its record
+        had by evicting the least recently used checkpoint if none is free."""
+        self._room_for_optional(self.storage.records, 1)
+        return self.checkpoints.make(row, position, commit_all)
+
+    def hold_optional_window(self, row: int, first: int, last: int) -> bool:
+        """Slots for the row's positions ``first .. last - 1`` it does not hold yet, if the tree's
+        least recently used checkpoints can make room for all of them; whether it holds them."""
+        missing = self.tables.window_slots_missing(row, first, last)
+        return self._room_for_optional(self.storage.window_slots, missing) and self.tables.hold_window(row, first, last)
+
+    def _plan_snapshots(self, row: int, start: int, end: int) -> None:
+        """The snapshots a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""
+        window = self.storage.config.sliding_window
+        for position in self.checkpoints.positions(start, end):
+            if not self._room_for_optional(self.storage.records, 1):
+                self.checkpoints.skip(NO_RECORD)
+            elif not self.hold_optional_window(row, position - window, position):
+                self.checkpoints.skip(NO_WINDOW_SLOTS)
+            else:
+                self.checkpoints.plan(row, position)
+
+    # --- making room ---------------------------------------------------------------------------
+
+    def _room_for_forward(self, row: int, target: int) -> None:
+        """Room for the forward's own window slots and entry rows (the pool's sizing guarantees it
+        for the window slots once everything optional is given back; a shortage left is reported
+        by the allocator)."""
+        self.room_for_windows(self.tables.window_slots_for_forward(target - self.tables.position[row]))
+        for ratio, count in self.tables.entry_rows_for_forward(row, target).items():
+            rows = self.storage.entry_rows[ratio]
+            while rows.free < count and self.tree.evict_some_tokens():
+                pass
+
+    def _room_for_optional(self, rows: SharedRows, count: int) -> bool:
+        while rows.free < count and self.tree.evict_one_checkpoint():
+            pass
+        return rows.free >= count
+
+    # --- what the tree asks about the pool --------------------------------------------------------
+
+    def audit(self, cached: list[Checkpoint]) -> dict[str, int]:
+        """Rows whose reference count differs from what the request rows, the tree's ``cached``
+        checkpoints, the pending snapshots and the tree's entries hold, per kind of row (all zero
+        when nothing leaked or was freed twice)."""
+        storage, tables = self.storage, self.tables
+        holders = [*cached, *(c for row in self.checkpoints.pending.values() for c in row)]
+        expected: dict[str, list[torch.Tensor]] = {
+            "window_slots": [c.window for c in holders],
+            "checkpoint_records": [torch.tensor([c.record]) for c in holders],
+            **{f"ratio_{r}_entries": [of_slot] for r, of_slot in self.entries.of_slot.items()},
+        }
+        for row in range(tables.request_rows):
+            if tables.bound[row]:
+                expected["window_slots"].append(tables.window_table[row, tables.held_from[row] : tables.position[row]])
+                for ratio in tables.ratios:
+                    count = tables.entry_count[ratio][row]
+                    expected[f"ratio_{ratio}_entries"].append(tables.entries(row, ratio, 0, count))
+        shared = {"window_slots": storage.window_slots, "checkpoint_records": storage.records}
+        shared.update({f"ratio_{r}_entries": rows for r, rows in storage.entry_rows.items()})
+        none = torch.zeros(0, dtype=torch.int64)
+        return {name: rows.miscounted(torch.cat([none, *expected[name]])) for name, rows in shared.items()}
+
+    def checkpoint_window_bytes(self, checkpoints: list[Checkpoint]) -> int:
+        """The bytes of the window slots ``checkpoints`` hold (slots shared between them counted once)."""
+        windows = [c.window for c in checkpoints]
+        slots = int(torch.unique(torch.cat(windows)).numel()) if windows else 0
+        return slots * self.storage.layout.window_slot_bytes
+
+    def reference_counts(self) -> bytes:
+        """Every pool row's reference count, as bytes (for the tree's digest)."""
+        storage = self.storage
+        rows = (storage.window_slots, storage.records, *storage.entry_rows.values())
+        return b"".join(r.refs.numpy().tobytes() for r in rows)

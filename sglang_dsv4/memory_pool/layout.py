@@ -20,8 +20,12 @@ Three lifetimes (DESIGN.md, "Memory lifecycle"):
   at most two checkpoints per ``sliding_window`` slots they hold: 6 records per request row.
   Every checkpoint is optional (a request without one finishes all the same, and a later turn
   resumes from the nearest one it has), so when records or window slots still run short the
-  least recently used checkpoint goes, and then the new one is skipped
-  (:class:`~.storage.V4PoolStorage`).
+  least recently used checkpoint goes, and then the new one is skipped (the cache manager,
+  :mod:`sglang_dsv4.prefix_cache.manager`). A forward's own window slots always fit once
+  everything optional is given back: a bound row and the one checkpoint its request keeps locked
+  then hold at most ``2 * (sliding_window + 1)`` slots (a prefill's read window is that
+  checkpoint's; a decode step holds ``sliding_window + 2`` beside it), against the
+  ``3 * sliding_window + 1`` each request row is given.
 
 Compressed entries: one row per block of the token pool, and one per request row (a request
 resumed inside a block writes that block's entry anew while the tree keeps the block's first

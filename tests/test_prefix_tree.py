@@ -209,3 +209,54 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
     skipped = scheduler.pool.checkpoints.skipped
     if scarce is not None:  # the scarce kind ran out and was skipped, never raised
         assert skipped[scarce] > 0, skipped
+
+
+def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[int, list[int]]:
+    """One agentic turn as SGLang runs it: match, prefill, a checkpoint at the prompt's end, decode,
+    a checkpoint at the request's end, release. The tokens it matched, and its whole sequence."""
+    tree, rows, slots = scheduler.tree, scheduler.rows, scheduler.slots
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:-1]))))
+    scheduler.count += 1
+    req = Request(scheduler.count, array("q", tokens + [0]), array("q", tokens), match.device_prefix_len)
+    req.last_node, req.lock = match.last_device_node, tree.lock(match.last_device_node)
+    row = rows.alloc_rows(1)[0]
+    req.kv.req_pool_idx = row
+    rows.req_to_token[row, : req.prefix_len] = tree.prefix_device_indices(req).to(torch.int32)
+    rows.req_to_token[row, req.prefix_len : len(tokens)] = slots.alloc(len(tokens) - req.prefix_len).to(torch.int32)
+    req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, len(tokens)
+    tree.maybe_hand_to_session(req)
+    tree.checkpoint(req, up_to=len(tokens))
+    for _ in range(new_tokens):
+        length = req.kv.kv_allocated_len
+        rows.req_to_token[row, length] = int(slots.alloc(1)[0])
+        rows.alloc_aux_to_lengths(req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1]))
+        req.kv.kv_allocated_len = length + 1
+        req.full_untruncated_fill_ids.append(scheduler.rng.randrange(4))
+    req.done = True
+    owned = req.kv.kv_allocated_len
+    tree.checkpoint(req, up_to=owned)
+    slots.free(rows.req_to_token[row][req.kv.cache_protected_len : owned].to(torch.int64))
+    tree.unlock(req.lock)
+    rows.free_rows([row])
+    return match.device_prefix_len, list(req.full_untruncated_fill_ids[:owned])
+
+
+def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_one_per_session(tiny_model):
+    """Issue 29: eight sessions take turns with checkpoint records for one each and two more. Every turn
+    leaves checkpoints at its prompt's end, a token before it and its request's end; under plain LRU the
+    session idle longest loses its only live one to the newer, superseded checkpoints of the others."""
+    sessions, turns = 8, 4
+    rng = random.Random(29)
+    scheduler = Scheduler(tiny_model.config, rng, ("records", sessions + 2))
+    scheduler.tree.manager.checkpoints.interval = 0
+    histories: list[list[int]] = [[] for _ in range(sessions)]
+    for _ in range(turns):
+        for session in range(sessions):
+            prompt = histories[session] + [rng.randrange(1024) for _ in range(rng.randrange(20, 60))]
+            matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
+            assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
+            histories[session] = sequence
+            check(scheduler)
+    report = scheduler.tree.checkpoint_report()
+    assert report["checkpoint_evictions"]["superseded"] > 0
+    assert report["checkpoint_evictions"]["deepest"] == 0

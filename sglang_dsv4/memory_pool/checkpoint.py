@@ -23,6 +23,8 @@ class Checkpoint:
     window: torch.Tensor
     record: int
     last_used: float = field(default_factory=time.monotonic)
+    # A request of its prefix resumed from a deeper checkpoint on its path: later turns resume there.
+    superseded: bool = False
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

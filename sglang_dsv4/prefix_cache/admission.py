@@ -6,9 +6,9 @@ decoding requests when the next step's do not (``ScheduleBatch.check_decode_mem`
 window slots of its own: the last ``sliding_window + 1`` tokens of every request in it. Both
 checks here ask for the count that reserving the forwards' rows takes
 (:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.window_slots_for_forward`), freed
-the way reserving frees it (rows' slots beyond what forwards read, least recently used
-checkpoints, snapshots not taken yet), and then answer as SGLang does when its token pool runs
-out: the request stays queued (``NO_TOKEN``), or decoding requests are retracted, and the
+the way reserving frees it (rows' slots beyond what forwards read, the checkpoints worth least,
+snapshots not taken yet), and then answer as SGLang does when its token pool runs out: the
+request stays queued (``NO_TOKEN``), or decoding requests are retracted, and the
 scheduler keeps running. Checkpoints, being optional, never hold a request back: the pool skips
 them instead (:class:`~.checkpoints.Checkpoints`).
 """

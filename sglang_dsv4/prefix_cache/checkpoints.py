@@ -11,7 +11,7 @@ request's live state gives one at its current end (:meth:`Checkpoints.make`).
 
 Running short never raises into the scheduler. A checkpoint is optional: when its state
 record or window slots cannot be had, even after the manager (:mod:`.manager`) has the tree
-give back its least recently used checkpoints, it is skipped and counted
+give back the checkpoints worth least, it is skipped and counted
 (:attr:`Checkpoints.skipped`, logged at most once per ``SKIP_LOG_INTERVAL_S``). A forward's
 own window slots are not optional: for them the manager also drops snapshots not taken yet
 (:meth:`Checkpoints.drop_newest`), and SGLang's admission and decode checks hold back what

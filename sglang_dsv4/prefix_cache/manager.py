@@ -13,7 +13,7 @@ SGLang's request pool holds it as its auxiliary cache (``alloc_to_lengths`` befo
 
 Room for what a forward cannot run without is made cheapest loss first: rows let go of what no
 forward reads, checkpoints of what no resume reads (all_committed's windows fall back to what
-per_request keeps), the tree's least recently used checkpoints go, then snapshots not taken yet
+per_request keeps), the tree's checkpoints worth least go (:mod:`.retention`), then snapshots not taken yet
 (for window slots); the tree's least recently used tokens (for entry rows). SGLang's admission
 and decode checks ask :meth:`CacheManager.room_for_windows` for the same count, made the same
 way. Nothing below calls up: the allocators (:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`)
@@ -38,7 +38,7 @@ class Evictions(Protocol):
     """What the prefix tree gives back when the manager asks; each says whether it freed anything."""
 
     def evict_one_checkpoint(self) -> bool:
-        """Release the least recently used checkpoint no request is about to resume from."""
+        """Release the checkpoint worth least that no request holds its lock on."""
 
     def keep_only_resumed_windows(self) -> bool:
         """Every checkpoint keeps only the window a request resumed from it reads."""
@@ -137,13 +137,13 @@ class CacheManager:
 
     def make_checkpoint(self, row: int, position: int, commit_all: bool = False) -> Checkpoint | None:
         """A checkpoint of the row's live state at ``position`` (:meth:`Checkpoints.make`), its record
-        had by evicting the least recently used checkpoint if none is free."""
+        had by evicting the checkpoint worth least if none is free."""
         self._room_for_optional(self.storage.records, 1)
         return self.checkpoints.make(row, position, commit_all)
 
     def hold_optional_window(self, row: int, first: int, last: int) -> bool:
         """Slots for the row's positions ``first .. last - 1`` it does not hold yet, if the tree's
-        least recently used checkpoints can make room for all of them; whether it holds them."""
+        checkpoints worth least can make room for all of them; whether it holds them."""
         missing = self.tables.window_slots_missing(row, first, last)
         return self._room_for_optional(self.storage.window_slots, missing) and self.tables.hold_window(row, first, last)
 
@@ -199,11 +199,19 @@ class CacheManager:
         none = torch.zeros(0, dtype=torch.int64)
         return {name: rows.miscounted(torch.cat([none, *expected[name]])) for name, rows in shared.items()}
 
+    @property
+    def window_slot_bytes(self) -> int:
+        return self.storage.layout.window_slot_bytes
+
+    @property
+    def record_bytes(self) -> int:
+        return self.storage.layout.record_bytes
+
     def checkpoint_window_bytes(self, checkpoints: list[Checkpoint]) -> int:
         """The bytes of the window slots ``checkpoints`` hold (slots shared between them counted once)."""
         windows = [c.window for c in checkpoints]
         slots = int(torch.unique(torch.cat(windows)).numel()) if windows else 0
-        return slots * self.storage.layout.window_slot_bytes
+        return slots * self.window_slot_bytes
 
     def reference_counts(self) -> bytes:
         """Every pool row's reference count, as bytes (for the tree's digest)."""

@@ -20,7 +20,7 @@ Checkpoints share their rows with requests by reference count, so evicting one n
 breaks a running request; one on a locked node (a request between its match and its
 allocation) is never evicted. The tree reaches the pool only through the cache manager
 (:class:`~.manager.CacheManager`), which is bound to it: under row pressure the manager
-asks for the least recently used checkpoint back (:meth:`V4RadixCache.evict_one_checkpoint`)
+asks for the checkpoint worth least back (:meth:`V4RadixCache.evict_one_checkpoint`, :mod:`.retention`)
 before any persistent KV goes; SGLang evicts token slots (and the checkpoints of the leaves
 it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
 (the manager counts it); a request whose own window slots cannot be had waits or is
@@ -40,6 +40,7 @@ from ..memory_pool.checkpoint import Checkpoint
 from . import PREFIX_HITS, WINDOW_POLICIES
 from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
+from .retention import Standing, standing
 from .window_policy import WINDOW_POLICY_OF
 
 
@@ -58,6 +59,8 @@ class V4RadixCache(RadixCache):
         self.checkpoint_interval = checkpoint_interval
         # Requests held back because their window slots did not fit (see .admission).
         self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
+        # Checkpoints evicted, by why they went first (.retention), or with their tokens.
+        self.evictions: Counter[str] = Counter({"superseded": 0, "shallower": 0, "deepest": 0, "with_tokens": 0})
         super().__init__(params)
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
         manager.bind_tree(self)
@@ -145,6 +148,7 @@ class V4RadixCache(RadixCache):
             if checkpoint is None or checkpoint.position != req.prefix_len:
                 raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
             resume = (checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
+            self._supersede_above(req.last_node)
         self.manager.start(row, req.kv.kv_allocated_len, resume)
 
     def window_slots_for_forward(self, tokens: int) -> int:
@@ -166,13 +170,43 @@ class V4RadixCache(RadixCache):
         self.held_back[reason] += 1
 
     def evict_one_checkpoint(self) -> bool:
-        """Release the least recently used checkpoint that no request is about to resume from."""
-        candidates = [(c.last_used, id(n), n) for n, c in self.checkpoints.items() if not _anchored(n)]
+        """Release the checkpoint worth least (:mod:`.retention`) that no request holds its lock on."""
+        standings = self._standings()
+        candidates = [(standings[n].order(), id(n), n) for n in self.checkpoints if not _anchored(n)]
         if not candidates:
             return False
         _, _, node = min(candidates)
+        self.evictions[standings[node].reason] += 1
         self.manager.checkpoints.release(self.checkpoints.pop(node))
         return True
+
+    def _standings(self) -> dict[TreeNode, Standing]:
+        """Every checkpoint's standing: one walk down the tree (the nearest checkpoint above each node),
+        and back up (whether one lies below)."""
+        visited, shallower, stack = [], {}, [(self.root_node, 0)]
+        while stack:
+            node, above = stack.pop()
+            visited.append(node)
+            shallower[node] = above
+            here = self.checkpoints.get(node)
+            for child in node.children.values():
+                stack.append((child, above if here is None else here.position))
+        below: dict[TreeNode, bool] = {}
+        for node in reversed(visited):  # every node after all of its descendants
+            below[node] = any(below[c] or c in self.checkpoints for c in node.children.values())
+        slot_bytes, record_bytes = self.manager.window_slot_bytes, self.manager.record_bytes
+        return {
+            node: standing(checkpoint, shallower[node], not below[node], slot_bytes, record_bytes)
+            for node, checkpoint in self.checkpoints.items()
+        }
+
+    def _supersede_above(self, node: TreeNode) -> None:
+        """A request resumes from the checkpoint at ``node``: those above it on its path are superseded."""
+        node = node.parent
+        while node is not None and node is not self.root_node:
+            if node in self.checkpoints:
+                self.checkpoints[node].superseded = True
+            node = node.parent
 
     def keep_only_resumed_windows(self) -> bool:
         """Under window-slot pressure every checkpoint, locked ones too, keeps only the window a request
@@ -184,6 +218,7 @@ class V4RadixCache(RadixCache):
     def _delete_leaf(self, node: TreeNode) -> None:
         checkpoint = self.checkpoints.pop(node, None)
         if checkpoint is not None:
+            self.evictions["with_tokens"] += 1
             self.manager.checkpoints.release(checkpoint)
         self.manager.entries.release_slots(node.value)
         super()._delete_leaf(node)
@@ -219,9 +254,18 @@ class V4RadixCache(RadixCache):
 
     def checkpoint_report(self) -> dict[str, int]:
         """Checkpoints held and the window bytes they keep (slots shared between them counted once)."""
+        states: dict[str, list[Checkpoint]] = {"live": [], "superseded": [], "locked": []}
+        for node, checkpoint in self.checkpoints.items():
+            state = "locked" if _anchored(node) else "superseded" if checkpoint.superseded else "live"
+            states[state].append(checkpoint)
         return {
             "checkpoints": len(self.checkpoints),
             "checkpoint_window_bytes": self.manager.checkpoint_window_bytes(list(self.checkpoints.values())),
+            "checkpoints_by_state": {
+                state: {"count": len(held), "window_bytes": self.manager.checkpoint_window_bytes(held)}
+                for state, held in states.items()
+            },
+            "checkpoint_evictions": dict(self.evictions),
             "checkpoints_skipped": dict(self.manager.checkpoints.skipped),
             "requests_held_back": dict(self.held_back),
         }

@@ -9,7 +9,7 @@ from random_configs import random_v4_config
 
 from sglang_dsv4.model import speculative
 from sglang_dsv4.model.network import DeepseekV4
-from sglang_dsv4.model.speculative import greedy_decode, speculative_decode
+from sglang_dsv4.model.speculative import greedy_decode, read_prompt, speculative_decode
 from sglang_dsv4.tiny import random_model
 
 
@@ -88,9 +88,10 @@ def test_verified_drafts_roll_back_exactly_to_plain_greedy_across_block_ends(see
     model = random_model(random_v4_config(seed), seed=seed)
     new_tokens, config = 100, model.config
     prompt = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(seed))
-    plain = greedy_decode(model, prompt, new_tokens)
+    read = read_prompt(model, prompt)
+    plain = greedy_decode(model, read, new_tokens)
     monkeypatch.setattr(speculative, "_draft", planted_drafter(plain, len(prompt)))
-    decoded = speculative_decode(model, prompt, new_tokens, drafts)
+    decoded = speculative_decode(model, read, new_tokens, drafts)
     assert decoded.tokens == plain
     assert drafts in decoded.accepted and min(decoded.accepted) < drafts  # both paths taken
 
@@ -100,6 +101,6 @@ def test_mtp_drafted_decoding_is_plain_greedy(seed):
     model = random_model(random_v4_config(seed), seed=seed)
     new_tokens = model.config.sliding_window + 40
     prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(seed))
-    assert speculative_decode(model, prompt, new_tokens, drafts=1 + seed % 4).tokens == greedy_decode(
-        model, prompt, new_tokens
-    )
+    read = read_prompt(model, prompt)
+    decoded = speculative_decode(model, read, new_tokens, drafts=1 + seed % 4)
+    assert decoded.tokens == greedy_decode(model, read, new_tokens)

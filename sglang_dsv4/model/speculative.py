@@ -14,7 +14,8 @@ pick, not yet read):
 * the MTP layer reads the target's streams of the accepted tokens, each with its next token.
 
 The tokens equal plain greedy decoding's (:func:`greedy_decode`); each verify yields ``accepted + 1``
-tokens, whose mean is the mean accepted length.
+tokens, whose mean is the mean accepted length. Both continue from a copy of a prompt read once
+(:func:`read_prompt`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,28 @@ import torch
 
 from .network import DeepseekV4
 from .state import RequestState
+
+
+@dataclass(frozen=True)
+class ReadPrompt:
+    """A prompt the target has read: its state after it (its MTP layer's, if it has one, after every token but the
+    last, whose next token is ``first_token``), and its streams and greedy pick at the last token."""
+
+    state: RequestState
+    last_streams: torch.Tensor
+    first_token: int
+
+
+@torch.inference_mode()
+def read_prompt(model: DeepseekV4, prompt: torch.Tensor) -> ReadPrompt:
+    """The target reads ``prompt``; then its MTP layer, if any, reads each token's streams with the next token."""
+    if prompt.numel() < 2:
+        raise ValueError("the prompt needs at least 2 tokens (the MTP layer reads a token's streams with the next)")
+    state = model.new_state()
+    streams = model.streams(prompt, state)
+    if state.mtp is not None:
+        model.draft(streams[:-1], prompt[1:], state.mtp)
+    return ReadPrompt(state, streams[-1:], int(model.head_logits(streams[-1:])[0].argmax()))
 
 
 @dataclass(frozen=True)
@@ -40,27 +63,21 @@ class SpeculativeDecode:
 
 
 @torch.inference_mode()
-def greedy_decode(model: DeepseekV4, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+def greedy_decode(model: DeepseekV4, prompt: ReadPrompt, max_new_tokens: int) -> list[int]:
     """The target's greedy continuation of ``prompt``, one token per forward."""
-    state = model.new_state()
-    logits = model(prompt, state)
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(logits[-1].argmax()))
-        if len(tokens) == max_new_tokens:
-            return tokens
-        logits = model(torch.tensor(tokens[-1:]), state)
+    state = prompt.state.snapshot()
+    tokens = [prompt.first_token]
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(model(torch.tensor(tokens[-1:]), state)[-1].argmax()))
+    return tokens
 
 
 @torch.inference_mode()
-def speculative_decode(model: DeepseekV4, prompt: torch.Tensor, max_new_tokens: int, drafts: int) -> SpeculativeDecode:
+def speculative_decode(model: DeepseekV4, prompt: ReadPrompt, max_new_tokens: int, drafts: int) -> SpeculativeDecode:
     """:func:`greedy_decode`'s tokens, drafted ``drafts`` at a time by the MTP layer and verified by the target."""
-    if prompt.numel() < 2:
-        raise ValueError("the prompt needs at least 2 tokens (the MTP layer reads a token's streams with the next)")
-    state = model.new_state()
-    streams = model.streams(prompt, state)
-    model.draft(streams[:-1], prompt[1:], state.mtp)
-    last_streams, token = streams[-1:], int(model.head_logits(streams[-1:])[0].argmax())
+    if prompt.state.mtp is None:
+        raise ValueError("this model has no MTP layer to draft with (num_nextn_predict_layers: 0, or no mtp.* tensors)")
+    state, last_streams, token = prompt.state.snapshot(), prompt.last_streams, prompt.first_token
     tokens, accepted = [token], []
     while len(tokens) < max_new_tokens:
         drafted = _draft(model, last_streams, token, state, drafts)

@@ -12,14 +12,7 @@ from sglang_dsv4.model.network import DeepseekV4
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt, speculative_decode
 from sglang_dsv4.tiny import random_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The decoding loops run hundreds of tiny forwards: one thread each, as on a shared host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -103,11 +103,13 @@ class DeepseekV4Config:
         return layer < self.num_hash_layers
 
     def without_mtp(self) -> DeepseekV4Config:
-        """The same network with no MTP layer (a checkpoint that holds none; the served model, which drafts nothing yet)."""
+        """The same network with no MTP layer (for a checkpoint that holds none, and the served model, which
+        drafts nothing yet)."""
         return replace(self, num_mtp_layers=0, mtp_compress_ratios=())
 
     def layer_name(self, layer: int) -> str:
-        """The release prefix of layer ``layer``'s tensors: ``layers.N``, or ``mtp.I`` for MTP layer ``num_layers + I``."""
+        """The release prefix of layer ``layer``'s tensors: ``layers.N``, or ``mtp.I`` for MTP layer
+        ``num_layers + I``."""
         return f"layers.{layer}" if layer < self.num_layers else f"mtp.{layer - self.num_layers}"
 
     @property

@@ -321,3 +321,30 @@ def test_loading_holds_one_checkpoint_tensor_beyond_the_model(tiny_path, release
 
     loader.load_weights(model, tracked(), dtype=torch.float32)
     assert held_most <= 1
+
+
+def test_mtp_layer_in_hf_module_names_loads_as_in_release_names(tmp_path, tiny_path, release_tensors, ids):
+    experts = range(load_config(tiny_path).n_routed_experts)
+    renamed = {name: t for name, t in release_tensors.items() if not name.startswith("mtp.0.ffn.experts.")}
+    stacked = {which: torch.stack([release_tensors[f"mtp.0.ffn.experts.{e}.{which}.weight"] for e in experts])
+               for which in ("w1", "w2", "w3")}  # fmt: skip
+    renamed["model.mtp.0.mlp.experts.gate_up_proj"] = torch.cat([stacked["w1"], stacked["w3"]], dim=1)
+    renamed["model.mtp.0.mlp.experts.down_proj"] = stacked["w2"]
+    for release, hf in [
+        ("mtp.0.attn_norm.weight", "model.mtp.0.input_layernorm.weight"),
+        ("mtp.0.attn.wq_a.weight", "model.mtp.0.self_attn.q_a_proj.weight"),
+        ("mtp.0.attn.attn_sink", "model.mtp.0.self_attn.sinks"),
+        ("mtp.0.hc_attn_fn", "model.mtp.0.attn_hc.fn"),
+        ("mtp.0.hc_head_fn", "model.mtp.0.hc_head.hc_fn"),
+        ("mtp.0.ffn.shared_experts.w1.weight", "model.mtp.0.mlp.shared_experts.gate_proj.weight"),
+    ]:
+        renamed[hf] = renamed.pop(release)
+    hf_named = load_model(copy_with_tensors(tiny_path, tmp_path / "hf-mtp", renamed))
+    assert torch.equal(drafted(hf_named, ids), drafted(load_model(tiny_path), ids))
+
+
+@torch.inference_mode()
+def drafted(model, ids: torch.Tensor) -> torch.Tensor:
+    state = model.new_state()
+    streams = model.streams(ids, state)
+    return model.draft(streams[:-1], ids[1:], state.mtp)[0]

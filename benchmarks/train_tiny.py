@@ -25,6 +25,16 @@ to a trainable size) and trains with AdamW on random windows of ``--context`` to
 Writes the checkpoint (release tensor names, through :func:`sglang_dsv4.model.loader.release_state_dict`), a
 loss curve PNG and a JSON record (steps, wall time, held-out perplexity of the trained and the random
 checkpoint).
+
+Then the multi-token-prediction layer (``mtp.0.*``):
+
+    python benchmarks/train_tiny.py --mtp
+
+trains only it, on the checkpoint at ``--out`` with every main weight frozen (the main tensors are written
+back bit for bit): from the builder's random MTP weights, next-next-token cross-entropy of the MTP layer
+reading the frozen target's streams of each token with the true next token, on the same corpus (tokenized
+with the checkpoint's own tokenizer), AdamW on random windows. Its record (``train_tiny_mtp.json``) holds the
+curve: training loss, and on held-out windows the MTP layer's loss and how often its top-1 is the true token.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from safetensors.torch import save_file
 
 import sglang
 from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
+from sglang_dsv4.model import load_model
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.network import DeepseekV4
@@ -191,22 +202,27 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    started = time.perf_counter()
-
+def chat_renderer():
+    """``render(messages, tools)``: a session as the tiny chat template writes it (V4's format)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     from sglang_dsv4.chat_template import BOS, CHAT_TEMPLATE, EOS
 
     compiled = _compile_jinja_template(CHAT_TEMPLATE)
 
-    def template(messages, tools):
+    def render(messages, tools):
         return compiled.render(messages=messages, tools=tools, bos_token=BOS, eos_token=EOS)
 
-    train_docs, held_docs = corpus(args.sessions, args.python_mb, template)
+    return render
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+
+    train_docs, held_docs = corpus(args.sessions, args.python_mb, chat_renderer())
     tokenizer = train_tokenizer(train_docs, TINY_CONFIG["vocab_size"])
     train_ids, held_ids = token_stream(tokenizer, train_docs), token_stream(tokenizer, held_docs)
     prepared = time.perf_counter() - started
@@ -273,6 +289,96 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def mtp_loss(model: DeepseekV4, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean cross-entropy, top-1 hits)`` of the MTP layer predicting token ``p + 2`` from the frozen target's
+    streams of token ``p`` and token ``p + 1``, over a window (a fresh request)."""
+    state = model.new_state()
+    with torch.no_grad():
+        streams = model.streams(sample, state)
+    logits, _ = model.draft_logits(streams[:-2], sample[1:-1], state.mtp)
+    targets = sample[2:]
+    return F.cross_entropy(logits, targets), (logits.argmax(-1) == targets).sum()
+
+
+@torch.no_grad()
+def mtp_held_out(model: DeepseekV4, samples: list[torch.Tensor]) -> tuple[float, float]:
+    """The MTP layer's mean loss and top-1 accuracy over the held-out windows."""
+    total, hits, count = 0.0, 0, 0
+    for sample in samples:
+        loss, correct = mtp_loss(model, sample)
+        total += loss.item() * (sample.numel() - 2)
+        hits += int(correct)
+        count += sample.numel() - 2
+    return total / count, hits / count
+
+
+def train_mtp(args: argparse.Namespace) -> dict[str, Any]:
+    """Train the MTP layer of the checkpoint at ``args.out`` on its frozen main network; write it back."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.out)
+    train_docs, held_docs = corpus(args.sessions, args.python_mb, chat_renderer())
+    train_ids, held_ids = token_stream(tokenizer, train_docs), token_stream(tokenizer, held_docs)
+    prepared = time.perf_counter() - started
+    print(f"corpus: {len(train_ids):,} training tokens, {len(held_ids):,} held out ({prepared:.0f}s)", flush=True)
+
+    main = load_model(args.out)
+    config = {**TINY_CONFIG, "num_nextn_predict_layers": 1}
+    model = random_model(config, seed=args.seed)
+    missing, unexpected = model.load_state_dict(main.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("mtp.") for name in missing), (missing, unexpected)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("mtp."))
+    parameters = [p for p in model.mtp.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    held_samples = list(windows(held_ids, args.context, args.eval_windows, random.Random(args.seed + 1)))
+
+    curve: list[dict[str, float]] = []
+    train_started = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for sample in windows(train_ids, args.context, args.batch, rng):
+            loss, _ = mtp_loss(model, sample)
+            (loss / args.batch).backward()
+            total += loss.item() / args.batch
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        point = {"step": step + 1, "loss": total}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            point["held_out_loss"], point["held_out_top1"] = mtp_held_out(model, held_samples)
+            elapsed = time.perf_counter() - train_started
+            print(f"step {step + 1}: loss {total:.3f}, held-out loss {point['held_out_loss']:.3f}, "
+                  f"top-1 {point['held_out_top1']:.3f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
+        curve.append(point)
+    train_s = time.perf_counter() - train_started
+
+    written = release_state_dict(model.eval())
+    kept = release_state_dict(main)
+    assert all(torch.equal(written[name], tensor) for name, tensor in kept.items()), "a main weight changed"
+    save_file(written, args.out / "model.safetensors", metadata={"format": "pt"})
+    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch": args.batch,
+        "context": args.context,
+        "lr": args.lr,
+        "threads": 1,
+        "prepare_s": round(prepared, 1),
+        "train_s": round(train_s, 1),
+        "held_out_loss": curve[-1]["held_out_loss"],
+        "held_out_top1": curve[-1]["held_out_top1"],
+        "curve": curve,
+    }
+
+
 def plot(record: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -301,10 +407,11 @@ def plot(record: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sessions = REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
+    parser.add_argument("--mtp", action="store_true", help="train only the MTP layer of --out, the rest frozen")
     parser.add_argument("--sessions", type=Path, default=sessions)
     parser.add_argument("--python-mb", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=SHIPPED)
-    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "train_tiny.json")
+    parser.add_argument("--record", type=Path, help="default: benchmarks/train_tiny.json (--mtp: train_tiny_mtp.json)")
     parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "train_tiny.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=160)
@@ -315,8 +422,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args(argv)
+    if args.mtp:
+        record = train_mtp(args)
+        (args.record or REPO / "benchmarks" / "train_tiny_mtp.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"MTP layer: held-out loss {record['held_out_loss']:.3f}, top-1 {record['held_out_top1']:.3f}")
+        print(f"wrote {args.out}")
+        return
     record = train(args)
-    args.record.write_text(json.dumps(record, indent=1) + "\n")
+    (args.record or REPO / "benchmarks" / "train_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.plot)
     random_ppl = record["random_checkpoint_held_out_ppl"]
     print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {random_ppl:.4g})")

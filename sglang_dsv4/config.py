@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -85,16 +85,32 @@ class DeepseekV4Config:
     eos_token_id: int | None
     # Edge of the square blocks of a block-quantized checkpoint (FP8: 128); None when unquantized.
     weight_block: int | None
+    # Multi-token-prediction layers (``num_nextn_predict_layers``: 0 or 1), numbered after the main layers as
+    # DeepSeek's reference numbers them (layer ``num_layers`` is ``mtp.0``), and their compress ratios (the
+    # extra ``compress_ratios`` entries; 0, window only, where the config gives none, as the releases have it).
+    num_mtp_layers: int
+    mtp_compress_ratios: tuple[int, ...]
 
     def layer_kind(self, layer: int) -> str:
-        """``"window"``, ``"csa"`` (ratio-4 with indexer) or ``"hca"`` (ratio-128, all entries)."""
-        ratio = self.compress_ratios[layer]
+        """``"window"``, ``"csa"`` (ratio-4 with indexer) or ``"hca"`` (ratio-128, all entries); ``layer`` may be
+        an MTP layer's number (``num_layers + i``)."""
+        ratio = (self.compress_ratios + self.mtp_compress_ratios)[layer]
         if ratio == WINDOW_ONLY:
             return "window"
         return "csa" if ratio == self.csa_rate else "hca"
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
+
+    def without_mtp(self) -> DeepseekV4Config:
+        """The same network with no MTP layer (for a checkpoint that holds none, and the served model, which
+        drafts nothing yet)."""
+        return replace(self, num_mtp_layers=0, mtp_compress_ratios=())
+
+    def layer_name(self, layer: int) -> str:
+        """The release prefix of layer ``layer``'s tensors: ``layers.N``, or ``mtp.I`` for MTP layer
+        ``num_layers + I``."""
+        return f"layers.{layer}" if layer < self.num_layers else f"mtp.{layer - self.num_layers}"
 
     @property
     def nope_head_dim(self) -> int:
@@ -168,6 +184,11 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
     num_layers = reader.positive_int("num_hidden_layers")
     csa_rate, hca_rate = _compression_rates(reader)
     compress_ratios = _compress_ratios(reader, num_layers, csa_rate, hca_rate)
+    num_mtp_layers = reader.int("num_nextn_predict_layers")
+    if num_mtp_layers > 1:
+        raise ConfigError(
+            f"'num_nextn_predict_layers' is {num_mtp_layers}; allowed: 0 or 1 (V4 releases carry one MTP layer)"
+        )
     num_hash_layers = _num_hash_layers(reader, num_layers)
 
     hidden_size = reader.positive_int("hidden_size")
@@ -229,6 +250,8 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
         bos_token_id=reader.raw.get("bos_token_id", DEFAULTS["bos_token_id"]),
         eos_token_id=_first_eos(reader.raw.get("eos_token_id", DEFAULTS["eos_token_id"])),
         weight_block=_weight_block(reader),
+        num_mtp_layers=num_mtp_layers,
+        mtp_compress_ratios=_mtp_compress_ratios(reader, num_layers, num_mtp_layers),
     )
 
 
@@ -347,6 +370,14 @@ def _release_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: in
         if ratio not in allowed:
             raise ConfigError(f"'compress_ratios[{layer}]' is {ratio!r}; allowed: {list(allowed)}")
     return tuple(int(r) for r in ratios[:num_layers])
+
+
+def _mtp_compress_ratios(reader: _Reader, num_layers: int, num_mtp_layers: int) -> tuple[int, ...]:
+    """The MTP layers' entries at the end of release-style ``compress_ratios``, else window only."""
+    ratios = reader.raw.get("compress_ratios")
+    if reader.raw.get("layer_types") is None and isinstance(ratios, list) and len(ratios) == num_layers + num_mtp_layers:
+        return tuple(int(r) for r in ratios[num_layers:])
+    return (WINDOW_ONLY,) * num_mtp_layers
 
 
 def _hf_compress_ratios(reader: _Reader, num_layers: int, csa: int, hca: int) -> tuple[int, ...]:

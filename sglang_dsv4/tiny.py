@@ -12,6 +12,7 @@ same shape with random weights (what the server tests run on, and any config the
   randomised ``tid2eid``, attention sinks, gate biases and mHC scales (a zero or constant
   there would leave the feature untested); the output head is scaled so next-token
   distributions are peaked and greedy comparisons between implementations are meaningful;
+  the multi-token-prediction layer ``mtp.0.*`` (``num_nextn_predict_layers: 1``) for every config;
 * the shipped checkpoint's tokenizer: a byte-level BPE trained on the same agent text, with the chat
   template of :mod:`sglang_dsv4.chat_template` (DeepSeek-V4's format: tools, tool calls, tool results).
 
@@ -86,7 +87,7 @@ TINY_CONFIG: dict[str, Any] = {
         "beta_slow": 1,
     },
     "max_position_embeddings": 65536,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
@@ -123,7 +124,7 @@ def build_checkpoint(out_dir: str | Path, config: dict[str, Any] | None = None, 
     """Write a tiny checkpoint (config, weights, tokenizer) to ``out_dir``; return it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = dict(TINY_CONFIG if config is None else config)
+    raw = {**(TINY_CONFIG if config is None else config), "num_nextn_predict_layers": 1}
     model = random_model(raw, seed=seed)
     save_file(release_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -140,7 +141,7 @@ def build_quantized_checkpoint(out_dir: str | Path, config: dict[str, Any] | Non
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = dict(QUANTIZED_TINY_CONFIG if config is None else config)
+    raw = {**(QUANTIZED_TINY_CONFIG if config is None else config), "num_nextn_predict_layers": 1}
     tensors = release_state_dict(random_model(raw, seed=seed))
     quantize = {Format.FP8: quantize_fp8, Format.FP4: quantize_fp4}
     for spec in checkpoint_tensors(parse_config(raw), quantized=True):

@@ -17,6 +17,15 @@ def seeded_torch() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for tests that run hundreds of tiny forwards (decoding loops): more only contend on a shared host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny"))

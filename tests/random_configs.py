@@ -1,8 +1,8 @@
 """Seeded small random DeepSeek-V4 configs, across the architecture's degrees of freedom.
 
 :func:`random_v4_config` draws head counts and dims, the rotary share, LoRA ranks, output groups,
-the layer-kind order (window-only, ratio-4 and ratio-HCA layers in any order, an MTP entry at the end of
-``compress_ratios``), 1-3 hash layers, expert counts, top-k and intermediate sizes off the 32/64/128
+the layer-kind order (window-only, ratio-4 and ratio-HCA layers in any order, one MTP layer, sometimes with
+its entry at the end of ``compress_ratios``), 1-3 hash layers, expert counts, top-k and intermediate sizes off the 32/64/128
 grid, indexer heads (>= 32: fewer make exact ReLU ties, DESIGN.md) / dims / top-k, the sliding
 window, a clamping ``swiglu_limit``, in the release or the HF spelling, and leaves some keys out so
 that transformers' defaults fill them in. Weights come from :func:`sglang_dsv4.tiny.build_checkpoint`
@@ -109,11 +109,9 @@ def _rope_dim(rng: random.Random, head_dim: int) -> int:
 
 
 def _spell_release(raw, rng, ratios, num_hash, rope_dim, yarn) -> None:
+    raw["num_nextn_predict_layers"] = 1
     if rng.random() < 0.4:  # the MTP layer's entry at the end, as the released configs have it
-        raw["num_nextn_predict_layers"] = 1
         ratios = ratios + [rng.choice([0, 4, 128])]
-    else:
-        raw["num_nextn_predict_layers"] = 0
     raw["compress_ratios"] = ratios
     if num_hash != min(3, raw["num_hidden_layers"]) or rng.random() < 0.5:
         raw["num_hash_layers"] = num_hash
@@ -124,7 +122,7 @@ def _spell_release(raw, rng, ratios, num_hash, rope_dim, yarn) -> None:
 
 
 def _spell_hf(raw, rng, ratios, hca_rate, num_hash, rope_dim, yarn) -> None:
-    raw["num_nextn_predict_layers"] = 0
+    raw["num_nextn_predict_layers"] = 1
     raw["layer_types"] = [_LAYER_TYPE.get(ratio, _HCA_LAYER_TYPE) for ratio in ratios]
     if hca_rate != 128 or rng.random() < 0.5:
         raw["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": hca_rate}

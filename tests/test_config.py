@@ -57,9 +57,20 @@ def test_hf_config_written_by_transformers_parses(tmp_path, tiny_path):
     assert load_config(tmp_path) == load_config(tiny_path)
 
 
-def test_mtp_entries_of_compress_ratios_are_accepted():
-    raw = release_config(num_nextn_predict_layers=1, compress_ratios=TINY_CONFIG["compress_ratios"] + [0])
-    assert parse_config(raw).compress_ratios == tuple(TINY_CONFIG["compress_ratios"])
+def test_mtp_entries_of_compress_ratios_are_the_mtp_layers():
+    raw = release_config(num_nextn_predict_layers=1, compress_ratios=TINY_CONFIG["compress_ratios"] + [4])
+    config = parse_config(raw)
+    assert config.compress_ratios == tuple(TINY_CONFIG["compress_ratios"]) and config.mtp_compress_ratios == (4,)
+    assert config.layer_kind(config.num_layers) == "csa" and config.layer_name(config.num_layers) == "mtp.0"
+    # Without its entry the MTP layer is window only, as the releases have it.
+    config = parse_config(release_config(num_nextn_predict_layers=1))
+    assert config.mtp_compress_ratios == (0,) and config.layer_kind(config.num_layers) == "window"
+    assert not config.is_hash_layer(config.num_layers)  # its MoE is gated
+
+
+def test_more_than_one_mtp_layer_is_refused():
+    with pytest.raises(ConfigError, match="'num_nextn_predict_layers' is 2; allowed: 0 or 1"):
+        parse_config(release_config(num_nextn_predict_layers=2))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ import torch
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import ConfigError, named_config
 from sglang_dsv4.kv_cache import V4KVPool
-from sglang_dsv4.memory_pool.ledger import KV_DTYPES, KVLedger, resolve_config
+from sglang_dsv4.memory_pool.ledger import KV_DTYPES, MTP_PART, KVLedger, RankLedger, resolve_config
+from sglang_dsv4.model.weight_layout import Parallelism, checkpoint_tensors
 
 MiB, GiB = 2**20, 2**30
 
@@ -142,3 +143,17 @@ def test_dsv4_ledger_prints_each_gpus_weights_and_the_sessions_its_pools_hold(ca
 def test_dsv4_ledger_refuses_an_expert_parallel_size_that_does_not_divide_tp():
     with pytest.raises(SystemExit, match=r"--ep-size \(3\) must divide --tp \(8\)"):
         dsv4(["ledger", "--config", "flash", "--tp", "8", "--ep", "3"])
+
+
+def test_weight_ledger_counts_the_mtp_layer_on_its_own_line():
+    config = named_config("flash")
+    parallel = Parallelism(tp=8, ep=8)
+    with_mtp = RankLedger(config, parallel, quantized=True).weight_bytes()
+    without = RankLedger(config.without_mtp(), parallel, quantized=True).weight_bytes()
+    mtp_specs = [spec for spec in checkpoint_tensors(config, quantized=True) if spec.name.startswith("mtp.")]
+    dense = sum(spec.bytes_on_rank(parallel, 2) for spec in mtp_specs if not spec.expert)
+    experts = sum(spec.bytes_on_rank(parallel, 2) for spec in mtp_specs if spec.expert) / 8  # 256 experts over 8 ranks
+    assert with_mtp[MTP_PART] == round(dense + experts) > 0 and without[MTP_PART] == 0
+    assert {name: size for name, size in with_mtp.items() if name != MTP_PART} == {
+        name: size for name, size in without.items() if name != MTP_PART
+    }

@@ -148,14 +148,35 @@ def test_fp4_experts_load_dequantized(tmp_path, tiny_path, release_tensors, ids)
     assert not torch.equal(fp4, logits_of(tiny_path, ids))
 
 
-def test_mtp_tensors_are_skipped_with_one_log_line(tmp_path, tiny_path, release_tensors, ids, caplog):
-    tensors = dict(release_tensors) | {"mtp.0.e_proj.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4)}
+def test_mtp_tensors_under_a_config_without_an_mtp_layer_are_skipped_with_one_log_line(
+    tmp_path, tiny_path, release_tensors, ids, caplog
+):
+    path = copy_with_tensors(tiny_path, tmp_path / "mtp", dict(release_tensors))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 0}))
+    mtp_tensors = sum(name.startswith("mtp.") for name in release_tensors)
     with caplog.at_level(logging.INFO, logger="sglang_dsv4.model.loader"):
-        logits = logits_of(copy_with_tensors(tiny_path, tmp_path / "mtp", tensors), ids)
+        model = load_model(path)
     assert [r.message for r in caplog.records if "mtp" in r.message] == [
-        "skipped 2 multi-token-prediction (mtp.*) tensors"
+        f"skipped {mtp_tensors} multi-token-prediction (mtp.*) tensors"
     ]
-    assert torch.equal(logits, logits_of(tiny_path, ids))
+    assert len(model.mtp) == 0
+    assert torch.equal(model(ids, model.new_state()), logits_of(tiny_path, ids))
+
+
+def test_checkpoint_without_mtp_tensors_loads_without_an_mtp_layer(tmp_path, tiny_path, release_tensors, ids):
+    main_only = {name: tensor for name, tensor in release_tensors.items() if not name.startswith("mtp.")}
+    model = load_model(copy_with_tensors(tiny_path, tmp_path / "main", main_only))
+    assert load_config(tiny_path).num_mtp_layers == 1 and len(model.mtp) == 0
+    assert model.new_state().mtp is None
+    assert torch.equal(model(ids, model.new_state()), logits_of(tiny_path, ids))
+
+
+def test_mtp_layer_loads_from_release_names_with_the_targets_embedding_and_head_copies(tiny_path, release_tensors):
+    model = load_model(tiny_path)
+    assert torch.equal(model.mtp[0].e_proj.weight, release_tensors["mtp.0.e_proj.weight"])
+    assert torch.equal(model.mtp[0].ffn.experts.w2[3], release_tensors["mtp.0.ffn.experts.3.w2.weight"])
+    assert torch.equal(model.mtp[0].hc_head.fn, release_tensors["mtp.0.hc_head_fn"])
 
 
 def without(tensors: dict, *names: str) -> dict:
@@ -196,8 +217,25 @@ def without(tensors: dict, *names: str) -> dict:
             ),
             "layers.0.attn.wq_a: FP8 weight (32, 64) needs scales of shape (1, 1)",
         ),
+        (lambda t: without(t, "mtp.0.h_proj.weight"), "missing tensors: ['mtp.0.h_proj.weight']"),
+        (lambda t: without(t, "mtp.0.ffn.experts.2.w1.weight"), "mtp.0.ffn.experts.w1: missing experts [2]"),
+        (
+            lambda t: t | {"mtp.0.e_proj.weight": torch.zeros(64, 32)},
+            "mtp.0.e_proj.weight: shape (64, 32) in the checkpoint, (64, 64) expected",
+        ),
     ],
-    ids=["missing", "missing-expert", "unexpected", "extra-layer", "wrong-shape", "fp8-no-scale", "fp8-bad-scale"],
+    ids=[
+        "missing",
+        "missing-expert",
+        "unexpected",
+        "extra-layer",
+        "wrong-shape",
+        "fp8-no-scale",
+        "fp8-bad-scale",
+        "mtp-missing",
+        "mtp-missing-expert",
+        "mtp-wrong-shape",
+    ],
 )
 def test_bad_checkpoint_raises_a_named_error(tmp_path, tiny_path, release_tensors, change, message):
     path = copy_with_tensors(tiny_path, tmp_path / "bad", change(dict(release_tensors)))
@@ -259,6 +297,9 @@ def test_bad_checkpoints_are_refused_before_any_weight_is_read(tmp_path, tiny_pa
     path = copy_with_tensors(tiny_path, tmp_path / "bad", without(dict(release_tensors), "head.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors: \['head\.weight'\]"):
         load_model(path)
+    path = copy_with_tensors(tiny_path, tmp_path / "bad-mtp", without(dict(release_tensors), "mtp.0.enorm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['mtp\.0\.enorm\.weight'\]"):
+        load_model(path)
     assert read == []
 
 
@@ -280,3 +321,30 @@ def test_loading_holds_one_checkpoint_tensor_beyond_the_model(tiny_path, release
 
     loader.load_weights(model, tracked(), dtype=torch.float32)
     assert held_most <= 1
+
+
+def test_mtp_layer_in_hf_module_names_loads_as_in_release_names(tmp_path, tiny_path, release_tensors, ids):
+    experts = range(load_config(tiny_path).n_routed_experts)
+    renamed = {name: t for name, t in release_tensors.items() if not name.startswith("mtp.0.ffn.experts.")}
+    stacked = {which: torch.stack([release_tensors[f"mtp.0.ffn.experts.{e}.{which}.weight"] for e in experts])
+               for which in ("w1", "w2", "w3")}  # fmt: skip
+    renamed["model.mtp.0.mlp.experts.gate_up_proj"] = torch.cat([stacked["w1"], stacked["w3"]], dim=1)
+    renamed["model.mtp.0.mlp.experts.down_proj"] = stacked["w2"]
+    for release, hf in [
+        ("mtp.0.attn_norm.weight", "model.mtp.0.input_layernorm.weight"),
+        ("mtp.0.attn.wq_a.weight", "model.mtp.0.self_attn.q_a_proj.weight"),
+        ("mtp.0.attn.attn_sink", "model.mtp.0.self_attn.sinks"),
+        ("mtp.0.hc_attn_fn", "model.mtp.0.attn_hc.fn"),
+        ("mtp.0.hc_head_fn", "model.mtp.0.hc_head.hc_fn"),
+        ("mtp.0.ffn.shared_experts.w1.weight", "model.mtp.0.mlp.shared_experts.gate_proj.weight"),
+    ]:
+        renamed[hf] = renamed.pop(release)
+    hf_named = load_model(copy_with_tensors(tiny_path, tmp_path / "hf-mtp", renamed))
+    assert torch.equal(drafted(hf_named, ids), drafted(load_model(tiny_path), ids))
+
+
+@torch.inference_mode()
+def drafted(model, ids: torch.Tensor) -> torch.Tensor:
+    state = model.new_state()
+    streams = model.streams(ids, state)
+    return model.draft(streams[:-1], ids[1:], state.mtp)[0]

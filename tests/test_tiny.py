@@ -196,6 +196,7 @@ def test_dequantized_twin_is_the_quantized_model_and_near_the_unquantized_one(qu
     ids = random_ids(200, load_config(twin_path).vocab_size, seed=41)
     quantized, dequantized = load_model(quantized_tiny_path), load_model(twin_path)
     assert torch.equal(quantized(ids, quantized.new_state()), dequantized(ids, dequantized.new_state()))
+    assert torch.equal(drafted_logits(quantized, ids), drafted_logits(dequantized, ids))  # the MTP layer's too
     # The same seed unquantized: the twin differs from it by the quantization's rounding only.
     original = random_model(json.loads((quantized_tiny_path / "config.json").read_text()), seed=0)
     assert any(not torch.equal(twin[name], tensor) for name, tensor in release_state_dict(original).items())
@@ -203,3 +204,11 @@ def test_dequantized_twin_is_the_quantized_model_and_near_the_unquantized_one(qu
         error = (twin[name] - tensor).abs().max() / tensor.abs().max()
         # FP4: off by at most a block's scale, a third of its largest value at most; FP8: e4m3's 2^-4.
         assert error <= (1 / 3 if ".ffn.experts." in name else 2**-4), name
+
+
+@torch.inference_mode()
+def drafted_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The MTP layer's logits over ``ids``, each position reading the target's streams and the next token."""
+    state = model.new_state()
+    streams = model.streams(ids, state)
+    return model.draft(streams[:-1], ids[1:], state.mtp)[0]

@@ -20,18 +20,23 @@ def meta_network(config) -> DeepseekV4:
         return DeepseekV4(config)
 
 
-def test_layout_lists_exactly_the_tensors_the_network_writes_under_release_names():
-    config = parse_config({**TINY_CONFIG, "compress_ratios": [128, 0, 4, 4]})
+@pytest.mark.parametrize("mtp_ratio", [0, 4, 128])
+def test_layout_lists_exactly_the_tensors_the_network_writes_under_release_names(mtp_ratio):
+    config = parse_config({**TINY_CONFIG, "compress_ratios": [128, 0, 4, 4, mtp_ratio]})
     written = {name: tuple(t.shape) for name, t in release_state_dict(meta_network(config)).items()}
     listed = {spec.name: spec.shape for spec in checkpoint_tensors(config, quantized=False)}
     assert listed == written
+    assert "mtp.0.e_proj.weight" in listed and ("mtp.0.attn.compressor.ape" in listed) == (mtp_ratio != 0)
 
 
 @pytest.mark.parametrize(("name", "published"), [("flash", 284e9), ("pro", 1.6e12)])
 def test_shipped_configs_have_the_published_parameter_counts(name, published):
-    specs = checkpoint_tensors(named_config(name), quantized=True)
-    parameters = sum(math.prod(spec.shape) for spec in specs)
+    """The published counts are the main network's (the MTP layer's not included)."""
+    config = named_config(name)
+    specs = checkpoint_tensors(config, quantized=True)
+    parameters = sum(math.prod(spec.shape) for spec in specs if not spec.name.startswith("mtp."))
     assert abs(parameters / published - 1) < 0.02, parameters
+
 
 
 def test_release_formats_put_routed_experts_in_fp4_and_dense_projections_in_fp8():

@@ -36,6 +36,8 @@ from ..config import ConfigError, DeepseekV4Config, check_tensor_parallel, load_
 from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
 from .layout import CHECKPOINT_WINDOWS_PER_REQUEST_ROW, PoolLayout
 
+# The multi-token-prediction layer's weights (its experts included): what speculative decoding adds.
+MTP_PART = "MTP layer (speculative decoding)"
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_CONTEXTS = (131072, 1048576)
 # What nvidia-smi reports for one H200 (its datasheet's "141 GB").
@@ -207,7 +209,12 @@ class RankLedger:
         check_tensor_parallel(self.config, self.parallel.tp)
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         share = self.experts_per_rank / self.config.n_routed_experts  # exact: experts are equal in size
-        parts = {"routed experts": 0.0, "layers (attention, shared expert, router, mHC)": 0.0, "embedding, head": 0.0}
+        parts = {
+            "routed experts": 0.0,
+            "layers (attention, shared expert, router, mHC)": 0.0,
+            "embedding, head": 0.0,
+            MTP_PART: 0.0,
+        }
         for spec in checkpoint_tensors(self.config, quantized=self.quantized):
             size = spec.bytes_on_rank(self.parallel, dtype_bytes)
             parts[_weight_part(spec)] += size * share if spec.expert else size
@@ -266,6 +273,8 @@ class RankLedger:
 
 
 def _weight_part(spec: TensorSpec) -> str:
+    if spec.name.startswith("mtp."):
+        return MTP_PART
     if spec.expert:
         return "routed experts"
     if spec.name in ("embed.weight", "head.weight"):

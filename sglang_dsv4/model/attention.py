@@ -34,7 +34,7 @@ class Attention(nn.Module):
     ):
         """Under tensor parallelism this rank's query heads and output groups (``1 / tp`` of each)."""
         super().__init__()
-        name = f"layers.{layer}.attn"
+        name = f"{config.layer_name(layer)}.attn"
         self.kind = config.layer_kind(layer)
         self.num_heads = config.num_heads // layers.tp_size
         self.head_dim = config.head_dim

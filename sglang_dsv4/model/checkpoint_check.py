@@ -6,8 +6,10 @@ a bad one is named before the loader has placed anything. What is checked:
 
 * every shard ``model.safetensors.index.json`` names is present (a missing one names the
   file and the first tensors it should hold);
-* every tensor the network needs is there with its shape, nothing else is (``mtp.*``
-  excepted), in any layout :func:`~.loader.release_name` reads (HF's stacked experts too);
+* every tensor the network needs is there with its shape, nothing else is, in any layout
+  :func:`~.loader.release_name` reads (HF's stacked experts too); the MTP layer's (``mtp.0.*``) when the
+  config has one and the checkpoint holds any ``mtp.*`` tensor (a checkpoint without them is a network
+  without an MTP layer; ``mtp.*`` under a config without one are skipped, as the loader skips them);
 * every quantized weight has its block scales, of the shape its blocks need;
 * every hash-routing table ``gate.tid2eid`` routes to experts that exist.
 """
@@ -27,6 +29,7 @@ from .loader import (
     CheckpointError,
     expected_scale_shape,
     is_quantized_dtype,
+    is_skipped_mtp,
     mismatches,
     release_name,
     scale_stem,
@@ -52,17 +55,21 @@ class StoredTensor:
         return (*self.shape[:-1], self.shape[-1] * 2) if packed else self.shape
 
 
-def check_checkpoint(path: str | Path, config: DeepseekV4Config) -> None:
-    """Raise :class:`CheckpointError` naming what is wrong with the checkpoint at ``path``, if anything."""
+def check_checkpoint(path: str | Path, config: DeepseekV4Config) -> DeepseekV4Config:
+    """Raise :class:`CheckpointError` naming what is wrong with the checkpoint at ``path``, if anything;
+    return the config of the network it fills (``config`` without its MTP layer if it holds no ``mtp.*``)."""
     headers = dict(_headers(shard_files(path)))
     _check_scales(headers)
+    if not any(name.startswith("mtp.") for name in headers):
+        config = config.without_mtp()
     logical = {name: stored.logical_shape(name) for name, stored in headers.items()}
     with torch.device("meta"):
         network = DeepseekV4(config)
-    problems = mismatches(network, _release_shapes(logical))
+    problems = mismatches(network, _release_shapes(logical, has_mtp=config.num_mtp_layers > 0))
     if problems:
         raise CheckpointError(f"checkpoint does not match the config:{problems}")
     _check_routing_tables(headers, config.n_routed_experts)
+    return config
 
 
 def shard_files(path: str | Path) -> list[Path]:
@@ -113,10 +120,11 @@ def _check_scales(headers: dict[str, StoredTensor]) -> None:
         expected_scale_shape(weight.dtype, weight.shape, scales[stem].shape, stem)
 
 
-def _release_shapes(logical: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Release names and shapes of the network's tensors: scales and ``mtp.*`` dropped, HF experts unstacked."""
+def _release_shapes(logical: dict[str, tuple[int, ...]], has_mtp: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Release names and shapes of the network's tensors: scales and the ``mtp.*`` the loader skips dropped, HF
+    experts unstacked."""
     for name, shape in logical.items():
-        if name.startswith("mtp.") or scale_stem(name) is not None:
+        if is_skipped_mtp(name, has_mtp) or scale_stem(name) is not None:
             continue
         stacked = unstacked_experts(name)
         if stacked is None:

@@ -10,8 +10,10 @@
 
 Every name is first rewritten to the release spelling (:func:`release_name`), then
 to this package's parameter names (experts stacked, ``hc_attn_fn`` -> ``hc_attn.fn``).
-Missing or unexpected tensors raise :class:`CheckpointError` listing them; ``mtp.*``
-(multi-token prediction) tensors are skipped.
+Missing or unexpected tensors raise :class:`CheckpointError` listing them. The multi-token-prediction
+layer's tensors (``mtp.0.*``) load into the model's MTP layer; a model without one (its config says
+``num_nextn_predict_layers: 0``, or it is the served model, which drafts nothing yet) skips them, and
+``mtp.0.emb`` / ``mtp.0.head``, where a checkpoint holds them, are the target's own and skipped too.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class CheckpointError(ValueError):
 _HF_TO_RELEASE: list[tuple[str, str]] = [
     (r"^embed_tokens\.", "embed."),
     (r"^lm_head\.", "head."),
-    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"(^|\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2"),
     (r"\.input_layernorm\.", ".attn_norm."),
     (r"\.post_attention_layernorm\.", ".ffn_norm."),
     (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
@@ -70,7 +72,11 @@ _HF_TO_RELEASE: list[tuple[str, str]] = [
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
 ]
 # transformers' default save_pretrained writes the main attention's kv norm as `attn.norm`.
-_MIXED_TO_RELEASE: list[tuple[str, str]] = [(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.")]
+_MIXED_TO_RELEASE: list[tuple[str, str]] = [(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.", r"\1.kv_norm.")]
+# A layer's prefix: a main layer or an MTP layer.
+_LAYER = r"(?:layers|mtp)\.\d+"
+# The MTP layer's copies of the target's embedding and head, where a checkpoint holds them.
+_TARGETS_OWN = re.compile(r"mtp\.\d+\.(emb|head)\.")
 
 
 def release_name(name: str) -> str:
@@ -87,8 +93,7 @@ def load_model(
     """Build the network from ``path``'s ``config.json`` and load its safetensors, shard by shard."""
     from .checkpoint_check import check_checkpoint, shard_files
 
-    config = load_config(path)
-    check_checkpoint(path, config)
+    config = check_checkpoint(path, load_config(path))
     with torch.device("meta"):
         model = DeepseekV4(config)
     model = model.to_empty(device=device)
@@ -129,7 +134,8 @@ def load_weights(model: DeepseekV4, tensors: Iterable[tuple[str, torch.Tensor]],
     """
     params, expert_loaders = _parameters(model), _expert_loaders(model)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    stored = _stored_or_dequantized(_release_tensors(tensors), _holds_quantized(params, expert_loaders))
+    released = _release_tensors(tensors, has_mtp=len(model.mtp) > 0)
+    stored = _stored_or_dequantized(released, _holds_quantized(params, expert_loaders))
     for name, tensor in stored:
         seen.append((name, tuple(tensor.shape)))
         target, expert = parameter_name(name)
@@ -220,16 +226,17 @@ def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def unstacked_experts(name: str) -> tuple[str, str] | None:
     """``(layers.N.ffn.experts, gate_up_proj | down_proj)`` for HF's stacked expert tensors, else None."""
-    stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)", name)
+    stacked = re.fullmatch(rf"({_LAYER}\.ffn\.experts)\.(gate_up_proj|down_proj)", name)
     return None if stacked is None else (stacked.group(1), stacked.group(2))
 
 
-def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename to release names, split HF's stacked experts, drop MTP tensors."""
+def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]], has_mtp: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename to release names, split HF's stacked experts, drop MTP tensors unless the model ``has_mtp``
+    (and the MTP layer's copies of the target's embedding and head always)."""
     skipped = 0
     for name, tensor in tensors:
         name = release_name(name)
-        if name.startswith("mtp."):
+        if is_skipped_mtp(name, has_mtp):
             skipped += 1
             continue
         stacked = unstacked_experts(name)
@@ -246,6 +253,12 @@ def _release_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
                 yield f"{prefix}.{expert}.w3.weight", up
     if skipped:
         logger.info("skipped %d multi-token-prediction (mtp.*) tensors", skipped)
+
+
+def is_skipped_mtp(name: str, has_mtp: bool) -> bool:
+    """Whether release name ``name`` is an MTP tensor the model does not load: all of them in a model without an
+    MTP layer, ``mtp.N.emb`` / ``mtp.N.head`` (the target's own) in any."""
+    return name.startswith("mtp.") and (not has_mtp or _TARGETS_OWN.match(name) is not None)
 
 
 def scale_stem(name: str) -> str | None:
@@ -327,7 +340,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") 
 def parameter_name(release: str) -> tuple[str, int | None]:
     """This package's parameter name for a release name, and the expert index if stacked (an expert's
     ``weight_scale_inv`` under ``layers.N.ffn.experts.wI_scale_inv``)."""
-    expert = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale_inv)?", release)
+    expert = re.fullmatch(rf"({_LAYER}\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale_inv)?", release)
     if expert is not None:
         prefix, index, which, scale = expert.groups()
         return f"{prefix}.{which}{scale or ''}", int(index)
@@ -351,7 +364,7 @@ def release_state_dict(model: DeepseekV4) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         tensor = tensor.detach().contiguous()
-        stacked = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(w[123])", name)
+        stacked = re.fullmatch(rf"({_LAYER}\.ffn\.experts)\.(w[123])", name)
         if stacked is not None:
             prefix, which = stacked.groups()
             for expert, weight in enumerate(tensor):

@@ -3,7 +3,10 @@
 ``model(input_ids, state)`` runs any number of new tokens (a prompt, a chunk of one,
 or one decode step) after ``state.position`` tokens, returns their logits and advances
 the state. Parameter names are the release checkpoint's (``embed``, ``layers.N.attn.wq_a``,
-``layers.N.ffn.experts.w1`` stacked over experts, ``head``, ...).
+``layers.N.ffn.experts.w1`` stacked over experts, ``head``, ``mtp.0.e_proj``, ...).
+
+A config with ``num_mtp_layers: 1`` adds the multi-token-prediction layer (:class:`MultiTokenPrediction`),
+which drafts the token after next from the target's streams (:meth:`DeepseekV4.draft`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,58 @@ class Block(nn.Module):
         self.ffn = MoE(config, layer, routed_experts(config, layer), layers)
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
+
+
+class MultiTokenPrediction(Block):
+    """V4's multi-token-prediction layer ``mtp.I`` (layer ``num_layers + I``): from the target's streams of
+    token ``t`` (before its ``hc_head``) and the embedding of token ``t + 1``, the streams that predict token ``t + 2``::
+
+        h = h_proj(hnorm(streams_t))           each of the hc_mult streams
+        e = e_proj(enorm(embed(token_t+1)))    the target's embedding, added to every stream
+        streams' = Block(h + e)                one V4 block at position t: its own window (and compressors when
+                                               its compress ratio is not 0), gated MoE
+        logits_t+2 = head(norm(hc_head'(streams')))   its own hc_head and norm, the target's head
+
+    The block's tensors are named as a main layer's, under ``mtp.I`` (``mtp.0.attn.wq_a``, ``mtp.0.hc_ffn_fn``).
+    """
+
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        layer: int,
+        plain_rotary: Rotary,
+        compress_rotary: Rotary,
+        routed_experts: ExpertsFactory,
+        layers: Layers,
+    ):
+        super().__init__(config, layer, plain_rotary, compress_rotary, routed_experts, layers)
+        name, hidden = config.layer_name(layer), config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.e_proj = layers.replicated(hidden, hidden, f"{name}.e_proj")
+        self.h_proj = layers.replicated(hidden, hidden, f"{name}.h_proj")
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(
+        self, target_streams: torch.Tensor, next_embedding: torch.Tensor, next_ids: torch.Tensor, state: RequestState
+    ) -> torch.Tensor:
+        """``streams'`` ``[L, n, hidden]`` from ``target_streams [L, n, hidden]`` of tokens ``state.position ..``
+        and ``next_embedding [L, hidden]`` of the tokens after each; advances ``state`` (this layer's)."""
+        start = state.position
+        mixed = self.h_proj(self.hnorm(target_streams)) + self.e_proj(self.enorm(next_embedding)).unsqueeze(1)
+        streams = run_blocks(
+            [self],
+            mixed.contiguous(),
+            attend=lambda layer, block, x: block.attn(x, start, state.layers[0]),
+            feed_forward=lambda layer, block, x: block.ffn(x, next_ids),
+        )
+        state.position = start + target_streams.shape[0]
+        return streams
+
+    def hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The head's input ``norm(hc_head'(streams'))``, ``[L, hidden]``."""
+        return self.norm(self.hc_head(streams))
 
 
 Sublayer = Callable[[int, Block, torch.Tensor], torch.Tensor]
@@ -145,6 +200,10 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = layers.head(config.vocab_size, config.hidden_size, "head")
+        self.mtp = nn.ModuleList(
+            MultiTokenPrediction(config, config.num_layers + i, plain, compress, routed_experts, layers)
+            for i in range(config.num_mtp_layers)
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,8 +214,9 @@ class DeepseekV4(nn.Module):
         return self.embed.weight.device
 
     def new_state(self) -> RequestState:
-        """The state of a request that has seen no token yet."""
-        return RequestState(0, [block.attn.new_state(self.dtype, self.device) for block in self.layers])
+        """The state of a request that has seen no token yet (with its MTP layer's, if the model has one)."""
+        mtp = RequestState(0, [layer.attn.new_state(self.dtype, self.device) for layer in self.mtp]) if self.mtp else None
+        return RequestState(0, [block.attn.new_state(self.dtype, self.device) for block in self.layers], mtp)
 
     def restore(self, snapshot: RequestState) -> RequestState:
         """A state that continues from ``snapshot`` (which stays reusable)."""
@@ -171,6 +231,35 @@ class DeepseekV4(nn.Module):
 
     def logits(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
         """:meth:`forward` with autograd (training): the same network, gradients kept."""
+        return self.head_logits(self.streams(input_ids, state))
+
+    def head_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) from the streams after the last layer: ``head(norm(hc_head(streams)))``."""
+        return self.head(self.norm(self.hc_head(streams))).float()
+
+    @torch.inference_mode()
+    def draft(
+        self, target_streams: torch.Tensor, next_ids: torch.Tensor, mtp_state: RequestState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer's ``(logits [L, vocab] (float32), streams' [L, n, hidden])`` for the tokens after
+        ``next_ids``, from the streams of the tokens before them (the target's :meth:`streams`, or a previous
+        draft's ``streams'``) at positions ``mtp_state.position ..`` (a request's ``state.mtp``); advances it."""
+        return self.draft_logits(target_streams, next_ids, mtp_state)
+
+    def draft_logits(
+        self, target_streams: torch.Tensor, next_ids: torch.Tensor, mtp_state: RequestState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draft` with autograd (training)."""
+        if not self.mtp:
+            raise ValueError("this model has no MTP layer (num_nextn_predict_layers: 0, or no mtp.* tensors)")
+        mtp = self.mtp[0]
+        next_ids = next_ids.to(self.device)
+        streams = mtp(target_streams, self.embed(next_ids), next_ids, mtp_state)
+        return self.head(mtp.hidden(streams)).float(), streams
+
+    def streams(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
+        """The streams ``[L, n, hidden]`` of the new tokens after the last layer (before ``hc_head``): what
+        the MTP layer reads; advances ``state``."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(
                 f"input_ids must be 1-D and non-empty (one request's new tokens), got shape {tuple(input_ids.shape)}"
@@ -190,4 +279,4 @@ class DeepseekV4(nn.Module):
             feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
         )
         state.position = start + input_ids.shape[0]
-        return self.head(self.norm(self.hc_head(streams))).float()
+        return streams

@@ -40,8 +40,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.v4_config = served_config(config)
+        # Serving drafts nothing yet: the MTP layer's tensors are checked (if the checkpoint has them) and skipped.
         self.network = DeepseekV4(
-            self.v4_config,
+            self.v4_config.without_mtp(),
             routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
             layers=SGLangLayers(quant_config),
         )

@@ -42,14 +42,21 @@ class LayerState:
 
 @dataclass
 class RequestState:
-    """Everything needed to continue a request after ``position`` tokens."""
+    """Everything needed to continue a request after ``position`` tokens.
+
+    ``mtp``: the multi-token-prediction layer's own state (its window, at its own position: it has read the
+    target's streams of every token but the last, whose next token it waits for), or None in a model without one.
+    The byte counts below are the main layers' (what the pools hold).
+    """
 
     position: int = 0
     layers: list[LayerState] = field(default_factory=list)
+    mtp: RequestState | None = None
 
     def snapshot(self) -> RequestState:
         """A detached copy: advancing either one leaves the other as it was."""
-        return RequestState(self.position, [layer.clone() for layer in self.layers])
+        mtp = self.mtp.snapshot() if self.mtp is not None else None
+        return RequestState(self.position, [layer.clone() for layer in self.layers], mtp)
 
     @property
     def compressor_state_nbytes(self) -> int:

@@ -130,25 +130,51 @@ class Parallelism:
 
 
 def checkpoint_tensors(config: DeepseekV4Config, *, quantized: bool) -> list[TensorSpec]:
-    """Every tensor of the main network (``mtp.*`` excluded), routed experts one spec per expert."""
+    """Every tensor of the network and its MTP layer (``mtp.0.*``, if the config has one), routed experts one
+    spec per expert."""
     dense = Format.FP8 if quantized else Format.MODEL
     experts = Format.FP4 if quantized else Format.MODEL
     hidden, vocab = config.hidden_size, config.vocab_size
     specs = [TensorSpec("embed.weight", (vocab, hidden), Format.MODEL, Split.VOCABULARY)]
     for layer in range(config.num_layers):
-        specs += _attention(config, f"layers.{layer}", dense)
-        specs += _feed_forward(config, layer, dense, experts)
-        specs += _mhc(config, f"layers.{layer}.hc_attn", sublayer=True)
-        specs += _mhc(config, f"layers.{layer}.hc_ffn", sublayer=True)
+        specs += _block(config, layer, dense, experts)
     specs += _mhc(config, "hc_head", sublayer=False)
     specs += [
         TensorSpec("norm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
         TensorSpec("head.weight", (vocab, hidden), Format.MODEL, Split.VOCABULARY),
     ]
+    for layer in range(config.num_layers, config.num_layers + config.num_mtp_layers):
+        specs += _multi_token_prediction(config, layer, dense, experts)
     return specs
 
 
-def _attention(config: DeepseekV4Config, prefix: str, dense: Format) -> list[TensorSpec]:
+def _block(config: DeepseekV4Config, layer: int, dense: Format, experts: Format) -> list[TensorSpec]:
+    prefix = config.layer_name(layer)
+    return [
+        *_attention(config, layer, dense),
+        *_feed_forward(config, layer, dense, experts),
+        *_mhc(config, f"{prefix}.hc_attn", sublayer=True),
+        *_mhc(config, f"{prefix}.hc_ffn", sublayer=True),
+    ]
+
+
+def _multi_token_prediction(config: DeepseekV4Config, layer: int, dense: Format, experts: Format) -> list[TensorSpec]:
+    """The MTP layer: its input norms and projections, one block, its own ``hc_head`` and norm (the embedding and
+    head are the target's). ``e_proj`` / ``h_proj`` are dense projections, FP8 in the release format."""
+    prefix, hidden = config.layer_name(layer), config.hidden_size
+    return [
+        TensorSpec(f"{prefix}.enorm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
+        TensorSpec(f"{prefix}.hnorm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
+        TensorSpec(f"{prefix}.e_proj.weight", (hidden, hidden), dense, Split.REPLICATED),
+        TensorSpec(f"{prefix}.h_proj.weight", (hidden, hidden), dense, Split.REPLICATED),
+        *_block(config, layer, dense, experts),
+        *_mhc(config, f"{prefix}.hc_head", sublayer=False),
+        TensorSpec(f"{prefix}.norm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
+    ]
+
+
+def _attention(config: DeepseekV4Config, layer: int, dense: Format) -> list[TensorSpec]:
+    prefix = config.layer_name(layer)
     heads, head_dim, q_rank = config.num_heads, config.head_dim, config.q_lora_rank
     hidden, groups, o_rank = config.hidden_size, config.o_groups, config.o_lora_rank
     specs = [
@@ -173,7 +199,7 @@ def _attention(config: DeepseekV4Config, prefix: str, dense: Format) -> list[Ten
         ),
         TensorSpec(f"{prefix}.attn.attn_sink", (heads,), Format.MODEL, Split.COLUMNS, (1, "heads")),
     ]
-    kind = config.layer_kind(int(prefix.split(".")[1]))
+    kind = config.layer_kind(layer)
     if kind == "window":
         return specs
     ratio = config.csa_rate if kind == "csa" else config.hca_rate
@@ -203,7 +229,7 @@ def _compressor(config: DeepseekV4Config, prefix: str, dim: int, ratio: int, ove
 
 
 def _feed_forward(config: DeepseekV4Config, layer: int, dense: Format, experts: Format) -> list[TensorSpec]:
-    prefix, hidden, inner = f"layers.{layer}", config.hidden_size, config.moe_intermediate_size
+    prefix, hidden, inner = config.layer_name(layer), config.hidden_size, config.moe_intermediate_size
     router = (
         TensorSpec(f"{prefix}.ffn.gate.tid2eid", (config.vocab_size, config.num_experts_per_tok), Format.INDEX,
                    Split.REPLICATED)

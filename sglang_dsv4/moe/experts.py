@@ -95,7 +95,7 @@ class MoE(nn.Module):
             config.moe_intermediate_size,
             config.swiglu_limit,
             layers,
-            f"layers.{layer}.ffn.shared_experts",
+            f"{config.layer_name(layer)}.ffn.shared_experts",
         )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

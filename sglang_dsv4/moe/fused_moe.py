@@ -49,7 +49,7 @@ class FusedRoutedExperts(nn.Module):
             layer_id=layer,
             quant_config=quant_config,
             swiglu_limit=limit,
-            prefix=f"layers.{layer}.ffn.experts",
+            prefix=f"{config.layer_name(layer)}.ffn.experts",
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from sglang_dsv4.config import DeepseekV4Config, named_config
 from sglang_dsv4.kernels import topk
 from sglang_dsv4.kernels.dispatch import sparse_attention
 from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.kernels.kv_format import PoolFormats
 from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.rope import Rotary
@@ -73,6 +74,7 @@ class LayerPools:
     checkpoint_state: dict[tuple[int, str], torch.Tensor]
     window_table: torch.Tensor
     entry_table: dict[int, torch.Tensor]
+    formats: PoolFormats  # how the window, entry and indexer-key rows are stored
 
     def records(self) -> list[torch.Tensor]:
         return [*self.state.values(), *self.previous_state.values(), *self.checkpoint_state.values()]
@@ -125,6 +127,7 @@ def build_pools(config: DeepseekV4Config, layer: int, batch: int, context: int) 
         {k: v.clone() for k, v in records.items()},
         window_table,
         entry_table,
+        layout.formats,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from . import sparse_torch
+from .kv_format import PlainRows, RowFormat
 from .selection import KVSelection
 
 
@@ -35,6 +36,7 @@ def sparse_attention(
     """One softmax over each row's window rows, compressed rows and the sink, inverse rope on the
     output: ``[rows, heads, head_dim]`` (:func:`.sparse_torch.sparse_decode_attention_reference`)."""
     if uses_triton(q):
+        _refuse_stored_rows(window.row_format, compressed.row_format)
         from .attention import sparse_decode_attention
 
         return sparse_decode_attention(q, window, compressed, sink.contiguous(), cos, sin, scale=scale)
@@ -56,15 +58,28 @@ def index_top_k(
     *,
     scale: float,
     tile_owners: list[int],
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, then ``-1``
     (:func:`.sparse_torch.streamed_top_k`, whose arguments these are). The slots come best first
     except from the Triton top-k, whose order is not set: callers use them as a set."""
     if uses_triton(q):
+        _refuse_stored_rows(keys_format)
         return index_top_k_triton(q, head_weights, keys, table, table_row, lengths, k, scale=scale)
     return sparse_torch.streamed_top_k(
-        q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners
-    )
+        q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners,
+        keys_format=keys_format,
+    )  # fmt: skip
+
+
+def _refuse_stored_rows(*formats: RowFormat | None) -> None:
+    """The Triton kernels read pools whose rows are their values (float32, bfloat16 KV) only."""
+    stored = [f for f in formats if f is not None and not isinstance(f, PlainRows)]
+    if stored:
+        raise NotImplementedError(
+            f"the Triton attention and indexer kernels do not read {type(stored[0]).__name__} pools yet"
+            " (FP8 KV on CUDA); serve with --kv-cache-dtype bf16 there"
+        )
 
 
 def index_top_k_triton(

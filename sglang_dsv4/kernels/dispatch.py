@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from . import sparse_torch
-from .kv_format import PlainRows, RowFormat
+from .kv_format import RowFormat
 from .selection import KVSelection
 
 
@@ -36,7 +36,6 @@ def sparse_attention(
     """One softmax over each row's window rows, compressed rows and the sink, inverse rope on the
     output: ``[rows, heads, head_dim]`` (:func:`.sparse_torch.sparse_decode_attention_reference`)."""
     if uses_triton(q):
-        _refuse_stored_rows(window.row_format, compressed.row_format)
         from .attention import sparse_decode_attention
 
         return sparse_decode_attention(q, window, compressed, sink.contiguous(), cos, sin, scale=scale)
@@ -64,22 +63,13 @@ def index_top_k(
     (:func:`.sparse_torch.streamed_top_k`, whose arguments these are). The slots come best first
     except from the Triton top-k, whose order is not set: callers use them as a set."""
     if uses_triton(q):
-        _refuse_stored_rows(keys_format)
-        return index_top_k_triton(q, head_weights, keys, table, table_row, lengths, k, scale=scale)
+        return index_top_k_triton(
+            q, head_weights, keys, table, table_row, lengths, k, scale=scale, keys_format=keys_format
+        )
     return sparse_torch.streamed_top_k(
         q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners,
         keys_format=keys_format,
     )  # fmt: skip
-
-
-def _refuse_stored_rows(*formats: RowFormat | None) -> None:
-    """The Triton kernels read pools whose rows are their values (float32, bfloat16 KV) only."""
-    stored = [f for f in formats if f is not None and not isinstance(f, PlainRows)]
-    if stored:
-        raise NotImplementedError(
-            f"the Triton attention and indexer kernels do not read {type(stored[0]).__name__} pools yet"
-            " (FP8 KV on CUDA); serve with --kv-cache-dtype bf16 there"
-        )
 
 
 def index_top_k_triton(
@@ -92,6 +82,7 @@ def index_top_k_triton(
     k: int,
     *,
     scale: float,
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
     the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: the Triton top-k where it
@@ -102,7 +93,9 @@ def index_top_k_triton(
     for first in range(0, q.shape[0], INDEX_ROW_TILE):
         tile = slice(first, first + INDEX_ROW_TILE)
         rows_table = table[table_row[tile]].to(torch.int32)
-        scores = index_scores(q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table)
+        scores = index_scores(
+            q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table, keys_format=keys_format
+        )
         chosen.append(exact_top_k(scores, lengths[tile], k).long())
     return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
 

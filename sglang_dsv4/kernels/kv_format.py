@@ -24,8 +24,9 @@ so that a turn resumed from the pools computes what a cold one does.
   132 bytes for V4's ``index_head_dim`` 128.
 
 A block is the last one's remainder where ``dim`` is not a multiple of its size (small test configs).
-Power-of-two scales make the division exact, so an encode on any device (torch here, a Triton
-kernel on CUDA) rounds the same value once, to nearest even. Nothing here imports above ``kernels``.
+Power-of-two scales make the division exact, so an encode on any device rounds the same value once, to
+nearest even, and a decode is exact (the Triton kernels read the bytes themselves: :mod:`.fp8_rows`).
+Nothing here imports above ``kernels``, nor Triton.
 """
 
 from __future__ import annotations

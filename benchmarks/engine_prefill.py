@@ -60,7 +60,8 @@ def prefill_pools(config: DeepseekV4Config, layer: int, context: int) -> LayerPo
         if b.layer == layer
     }
     copies = [{k: v.clone() for k, v in records.items()} for _ in range(2)]
-    return LayerPools([window_rows] * (layer + 1), compressed, records, *copies, window_table, entry_table)
+    window = [window_rows] * (layer + 1)
+    return LayerPools(window, compressed, records, *copies, window_table, entry_table, layout.formats)
 
 
 def chunk_flops(config: DeepseekV4Config, kind: str, weights: int, start: int, tokens: int) -> float:

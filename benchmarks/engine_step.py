@@ -1,12 +1,13 @@
 """One batched decode step of one attention layer on the GPU, captured in a CUDA graph, against its floors.
 
-``python benchmarks/engine_step.py [--out DIR] [--quick]`` on a CUDA host (the H200: torch 2.11,
+``python benchmarks/engine_step.py [--out DIR] [--quick] [--kv-dtypes bf16,fp8]`` on a CUDA host (the H200: torch 2.11,
 Triton 3.6; nothing on this path imports SGLang). In one run it
 
 1. measures the ceilings (device-to-device copy bandwidth, a bf16 8192^3 product;
    :mod:`kernels.attention_indexer`'s);
 2. for V4-Flash and V4-Pro dims (``sglang_dsv4/configs``), each layer kind (window only,
-   ratio 4, ratio 128), batch 1, 8, 64, 256 and contexts 8K and 128K (bf16 KV, every request
+   ratio 4, ratio 128), batch 1, 8, 64, 256 and contexts 8K and 128K (bf16 KV, and with
+   ``--kv-dtypes bf16,fp8`` FP8 pools in the same run; every request
    at the context's last position, distinct rows per request), builds the layer's pools and
    request tables, and captures the served decode step in a ``torch.cuda.CUDAGraph``: the
    decode index built on the device (:class:`~sglang_dsv4.attention_backend.batched.DecodeGraphIndex`),
@@ -26,9 +27,9 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    ``Attention`` request by request on per-request state (what the reference backend runs,
    without its pool gathers, so an upper bound on its speed).
 
-Bytes are counted as distinct requests move them: window 128 rows of ``head_dim`` bf16, ratio-4
+Bytes are counted as distinct requests move them: window 128 rows of ``head_dim`` bf16 (staged), ratio-4
 layers ``index_topk`` selected entries and all ``context / 4`` indexer keys, ratio-128 layers all
-``context / 128`` entries.
+``context / 128`` entries, entries and keys as the pools store them (FP8 rows: 584 and 132 B at V4's dims).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -48,7 +50,9 @@ from sglang_dsv4.config import DeepseekV4Config, named_config
 from sglang_dsv4.kernels import topk
 from sglang_dsv4.kernels.dispatch import sparse_attention
 from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.kernels.kv_format import PoolFormats
 from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
+from sglang_dsv4.memory_pool.ledger import KV_DTYPES
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.rope import Rotary
 
@@ -73,6 +77,7 @@ class LayerPools:
     checkpoint_state: dict[tuple[int, str], torch.Tensor]
     window_table: torch.Tensor
     entry_table: dict[int, torch.Tensor]
+    formats: PoolFormats  # how the window, entry and indexer-key rows are stored
 
     def records(self) -> list[torch.Tensor]:
         return [*self.state.values(), *self.previous_state.values(), *self.checkpoint_state.values()]
@@ -94,14 +99,18 @@ def build_attention(config: DeepseekV4Config, kind: str) -> tuple[int, Attention
     return layer, attention
 
 
-def build_pools(config: DeepseekV4Config, layer: int, batch: int, context: int) -> LayerPools:
-    """Request row ``i + 1`` (row 0 is the padding row) at ``context - 1`` tokens, with its own rows."""
+def build_pools(
+    config: DeepseekV4Config, layer: int, batch: int, context: int, kv_dtype: torch.dtype = DTYPE
+) -> LayerPools:
+    """Request row ``i + 1`` (row 0 is the padding row) at ``context - 1`` tokens, with its own rows, stored
+    as ``kv_dtype`` stores them (bf16 values, or FP8 rows: ``sglang_dsv4/kernels/kv_format.py``)."""
     rows, window = batch + 1, config.sliding_window
-    layout = PoolLayout(config, DTYPE)
+    layout = PoolLayout(config, kv_dtype)
+    formats = layout.formats
     window_table = torch.zeros(rows, context + 1, dtype=torch.int64, device=DEVICE)
     held = torch.arange(context - window - 1, context, device=DEVICE)
     window_table[1:, held] = 1 + torch.arange(batch * len(held), device=DEVICE).view(batch, -1)
-    window_rows = torch.randn(1 + batch * len(held), config.head_dim, device=DEVICE, dtype=DTYPE)
+    window_rows = formats.entries.encode(torch.randn(1 + batch * len(held), config.head_dim, device=DEVICE))
     # Every ratio's table (the tables are the whole model's); the rows of this layer's ratio only.
     ratios = (config.csa_rate, config.hca_rate)
     entry_table = {r: torch.zeros(rows, context // r + 1, dtype=torch.int64, device=DEVICE) for r in ratios}
@@ -111,7 +120,8 @@ def build_pools(config: DeepseekV4Config, layer: int, batch: int, context: int) 
             continue
         blocks = context // buffer.ratio
         entry_table[buffer.ratio][1:, :blocks] = 1 + torch.arange(batch * blocks, device=DEVICE).view(batch, blocks)
-        compressed[(layer, buffer.kind)] = torch.randn(1 + batch * blocks, buffer.dim, device=DEVICE, dtype=DTYPE)
+        values = torch.randn(1 + batch * blocks, buffer.dim, device=DEVICE)
+        compressed[(layer, buffer.kind)] = layout.format_of(buffer).encode(values.to(DTYPE))
     records = {
         (b.layer, b.kind): torch.zeros(rows, b.pools, 3, b.dim, dtype=STATE_DTYPE, device=DEVICE)
         for b in layout.state_buffers()
@@ -125,6 +135,7 @@ def build_pools(config: DeepseekV4Config, layer: int, batch: int, context: int) 
         {k: v.clone() for k, v in records.items()},
         window_table,
         entry_table,
+        layout.formats,
     )
 
 
@@ -155,16 +166,16 @@ class Compressors:
         self.step, self.advance = step, advance
         self.index = step.graph_index.build(step.rows, step.seq_lens)
         attention, layer = step.attention, step.layer
-        self.jobs = [(attention.compressor, (layer, "entries"), (layer, "compressor"))]
+        pools = step.pools
+        entries = batched._Rows(pools.compressed[(layer, "entries")], pools.formats.entries)
+        self.jobs = [(attention.compressor, entries, (layer, "compressor"))]
         if attention.indexer is not None:
-            self.jobs.append((attention.indexer.compressor, (layer, "indexer_keys"), (layer, "indexer")))
+            keys = batched._Rows(pools.compressed[(layer, "indexer_keys")], pools.formats.indexer_keys)
+            self.jobs.append((attention.indexer.compressor, keys, (layer, "indexer")))
 
     def __call__(self) -> None:
-        for compressor, entries, records in self.jobs:
-            pools = self.step.pools
-            self.advance(
-                compressor, self.step.x, self.index, pools.compressed[entries], batched._records(pools, records)
-            )
+        for compressor, rows, records in self.jobs:
+            self.advance(compressor, self.step.x, self.index, rows, batched._records(self.step.pools, records))
 
 
 def top_k_pair_us(config: DeepseekV4Config, step: DecodeStep, context: int, timer: Timer) -> tuple[float, float]:
@@ -231,7 +242,9 @@ class AttentionCore:
         attention, pools = step.attention, step.pools
         index = step.graph_index.build(step.rows, step.seq_lens)
         q_residual, self.q, kv, self.cos, self.sin = attention.project(step.x, index.positions)
-        staged = torch.cat([kv, pools.window[step.layer][index.window.previous_slots]])
+        formats = pools.formats
+        earlier = formats.entries.decode(pools.window[step.layer][index.window.previous_slots], kv.dtype)
+        staged = torch.cat([kv, earlier])
         self.window = KVSelection(staged, index.window.indices, index.window.lengths)
         self.compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
         self.select = None
@@ -239,15 +252,17 @@ class AttentionCore:
             reads = index.entries[attention.compressor.ratio]
             entries = pools.compressed[(step.layer, "entries")]
             if attention.indexer is None:
-                self.compressed = KVSelection(entries, reads.per_token, reads.visible)
+                self.compressed = KVSelection(entries, reads.per_token, reads.visible, formats.entries)
             else:
                 keys = pools.compressed[(step.layer, "indexer_keys")]
                 self.entries, self.reads, self.index = entries, reads, index
 
                 def select() -> KVSelection:
-                    chosen = batched.select_entries(attention.indexer, step.x, q_residual, index, keys)
-                    rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)]
-                    return KVSelection(entries, rows.to(torch.int32), (chosen >= 0).sum(-1, dtype=torch.int32))
+                    chosen = batched.select_entries(
+                        attention.indexer, step.x, q_residual, index, keys, formats.indexer_keys
+                    )
+                    rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)].to(torch.int32)
+                    return KVSelection(entries, rows, (chosen >= 0).sum(-1, dtype=torch.int32), formats.entries)
 
                 self.select = select
         self.sink = attention.attn_sink.float()
@@ -258,13 +273,15 @@ class AttentionCore:
         return sparse_attention(self.q, self.window, compressed, self.sink, self.cos, self.sin, scale=self.scale)
 
 
-def core_bytes(config: DeepseekV4Config, kind: str, batch: int, context: int) -> float:
-    per_request = config.sliding_window * config.head_dim
+def core_bytes(config: DeepseekV4Config, kind: str, batch: int, context: int, formats: PoolFormats) -> float:
+    """What the core reads: the staged window in bf16, entries and indexer keys as the pools store them."""
+    entry, key = formats.entries.row_bytes, formats.indexer_keys.row_bytes
+    per_request = config.sliding_window * config.head_dim * DTYPE.itemsize
     if kind == "csa":
-        per_request += config.index_topk * config.head_dim + context // 4 * config.index_head_dim
+        per_request += config.index_topk * entry + context // 4 * key
     elif kind == "hca":
-        per_request += context // 128 * config.head_dim
-    return per_request * batch * DTYPE.itemsize
+        per_request += context // 128 * entry
+    return per_request * batch
 
 
 def core_flops(config: DeepseekV4Config, kind: str, batch: int, context: int) -> float:
@@ -310,13 +327,15 @@ def weight_bytes(attention: Attention) -> int:
 
 
 @torch.no_grad()
-def bench(model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict) -> dict:
+def bench(
+    model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict, kv_dtype: torch.dtype = DTYPE
+) -> dict:
     config = named_config(model)
     layer, attention = build_attention(config, kind)
-    pools = build_pools(config, layer, batch, context)
+    pools = build_pools(config, layer, batch, context, kv_dtype)
     step = DecodeStep(config, attention, layer, pools, batch)
     graph = capture(step)
-    row = {"model": model, "kind": kind, "batch": batch, "context": context}
+    row = {"model": model, "kind": kind, "batch": batch, "context": context, "kv": str(kv_dtype).removeprefix("torch.")}
     row.update(replay_equals_eager(step, graph, step.output))
     row["step_us"] = timer.median_us(graph.replay)
     del graph
@@ -335,7 +354,7 @@ def bench(model: str, kind: str, batch: int, context: int, timer: Timer, ceiling
     )
     row["core_us"] = timer.graph_us(AttentionCore(step, config))
     row["core_floor_us"], row["core_bound"] = floor_us(
-        core_bytes(config, kind, batch, context), core_flops(config, kind, batch, context), ceilings
+        core_bytes(config, kind, batch, context, pools.formats), core_flops(config, kind, batch, context), ceilings
     )
     row["core_of_floor"] = row["core_floor_us"] / row["core_us"]
     row["projections_of_floor"] = row["projections_floor_us"] / row["projections_us"]
@@ -356,7 +375,11 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="a suffix of the JSON file's name")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument(
+        "--kv-dtypes", default="bf16", help="pools to build, in turn: bf16, fp8 (DeepSeek's FP8 rows), or both"
+    )
     args = parser.parse_args()
+    kv_dtypes = [KV_DTYPES[name] for name in args.kv_dtypes.split(",")]
     timer = Timer(budget_ms=150)
     ceilings = measure_ceilings(timer)
     print(json.dumps(ceilings), flush=True)
@@ -367,8 +390,8 @@ def main() -> None:
     for model in args.models.split(","):
         for context in contexts:
             for batch in batches:
-                for kind in kinds_of(named_config(model), args.kinds.split(",")):
-                    rows.append(guarded(model, kind, batch, context, timer, ceilings))
+                for kind, kv_dtype in product(kinds_of(named_config(model), args.kinds.split(",")), kv_dtypes):
+                    rows.append(guarded(model, kind, batch, context, timer, ceilings, kv_dtype))
                     print(json.dumps(rows[-1]), flush=True)
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.mkdir(parents=True, exist_ok=True)
@@ -381,13 +404,16 @@ def kinds_of(config: DeepseekV4Config, asked: list[str]) -> list[str]:
     return [kind for kind in asked if any(config.layer_kind(i) == kind for i in range(config.num_layers))]
 
 
-def guarded(model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict) -> dict:
+def guarded(
+    model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict, kv_dtype: torch.dtype = DTYPE
+) -> dict:
     """One configuration's row, or the error that stopped it (the others still run)."""
     try:
-        return bench(model, kind, batch, context, timer, ceilings)
+        return bench(model, kind, batch, context, timer, ceilings, kv_dtype)
     except Exception as error:  # noqa: BLE001 - a benchmark row reports its failure and the run goes on
         torch.cuda.empty_cache()
-        return {"model": model, "kind": kind, "batch": batch, "context": context, "error": repr(error)[:300]}
+        row = {"model": model, "kind": kind, "batch": batch, "context": context, "kv": str(kv_dtype)}
+        return {**row, "error": repr(error)[:300]}
 
 
 if __name__ == "__main__":

@@ -36,11 +36,17 @@ ROWS, CONTEXT, TOKENS = 9, 2048, 8192
 class TwoBackends:
     """The reference backend on one pool, the batched core on another, driven alike."""
 
-    def __init__(self, model, snapshot_interval: int = 0, snapshot_before_extend_end: bool = False):
+    def __init__(
+        self,
+        model,
+        snapshot_interval: int = 0,
+        snapshot_before_extend_end: bool = False,
+        kv_dtype: torch.dtype = torch.float32,
+    ):
         self.model = model
         self.pools = []
         for _ in range(2):
-            pool = V4KVPool(TOKENS, 1, model.config, torch.float32, ROWS - 1, CONTEXT, "cpu")
+            pool = V4KVPool(TOKENS, 1, model.config, kv_dtype, ROWS - 1, CONTEXT, "cpu")
             pool.checkpoints.interval = snapshot_interval
             pool.checkpoints.before_extend_end = snapshot_before_extend_end
             self.pools.append(pool)
@@ -200,6 +206,23 @@ def test_snapshots_inside_a_forward_fill_the_checkpoint_records(tiny_model):
     assert_same(pair.forward([2, 1], [129, 64]))  # 150, 200, 250, 259; 350, 363
     assert pair.filled == 10 + 4 + 2
     pair.assert_same_pools()
+
+
+def test_fp8_pools_read_and_written_as_the_reference_backend_does(tiny_model):
+    # Both sides round the same values to FP8, so they differ where float32 noise flips a rounding:
+    # a few rows by one FP8 step (measured: 4-23 window rows of 3,466 per layer, logits 5e-5 of their scale).
+    pair = TwoBackends(tiny_model, kv_dtype=torch.float8_e4m3fn)
+    for rows, lengths in (([1, 2], [130, 67]), ([1, 3, 2], [127, 3, 190]), ([1, 2, 3], [1, 1, 1])):
+        expected, actual = pair.forward(rows, lengths)
+        assert_close_to_scale(actual, expected, rel=1e-3)
+    reference, other = (pool.storage for pool in pair.pools)
+    stored = [(reference.window[layer], other.window[layer], reference.formats.entries) for layer in range(4)]
+    stored += [(rows, other.compressed[key], reference.row_formats[key]) for key, rows in reference.compressed.items()]
+    for expected_rows, actual_rows, row_format in stored:
+        expected, actual = (row_format.decode(rows[1:], torch.float32) for rows in (expected_rows, actual_rows))
+        assert ((actual - expected).norm(dim=1) <= 0.125 * expected.norm(dim=1)).all()  # one FP8 step at most
+        assert (actual != expected).any(dim=1).float().mean() < 0.02
+        assert (expected_rows[1:] != 0).any()  # they were written
 
 
 class DecodeGraphRunner:
@@ -367,10 +390,9 @@ def test_indexer_selections_equal_the_reference(tiny_model):
         expected.append(attention.indexer.select(x[rows], q_residual[rows], positions, state.indexer, visible))
         offset += length
     records = batched._records(pool.storage, (layer, "indexer"))
-    batched._advance(attention.indexer.compressor, x, index, pool.storage.compressed[(layer, "indexer_keys")], records)
-    chosen = batched.select_entries(
-        attention.indexer, x, q_residual, index, pool.storage.compressed[(layer, "indexer_keys")]
-    )
+    keys = batched._Rows(pool.storage.compressed[(layer, "indexer_keys")], pool.storage.formats.indexer_keys)
+    batched._advance(attention.indexer.compressor, x, index, keys, records)
+    chosen = batched.select_entries(attention.indexer, x, q_residual, index, keys.pool, keys.row_format)
     masks = [mask for request in expected for mask in request]
     for token, mask in enumerate(masks):
         chosen_blocks = sorted(chosen[token][chosen[token] >= 0].tolist())

@@ -13,6 +13,7 @@ import torch
 from kernel_testing import interpreted_only, launcher_only, poison_allocations, relative_error, run_under_interpreter
 
 from sglang_dsv4.config import parse_config
+from sglang_dsv4.kernels.kv_format import Fp8EntryRows
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.rope import Rotary, apply_rope
 from sglang_dsv4.tiny import TINY_CONFIG
@@ -78,6 +79,37 @@ def test_attention_matches_float64_reference(
         cos.double(),
         sin.double(),
         scale=head_dim**-0.5,
+    )
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "rope_dim", "dtype", "splits"),
+    [(4, 64, 16, torch.float32, 1), (4, 128, 64, torch.float32, 3), (16, 64, 16, torch.bfloat16, 2)],
+)
+def test_fp8_compressed_rows_dequantized_in_the_kernel_match_the_torch_path(
+    kernels, monkeypatch, heads, head_dim, rope_dim, dtype, splits
+):
+    """FP8 entry rows (a partial scale block where ``head_dim - rope_dim`` is not a multiple of 64) against the
+    torch path's attention over the same rows, decoded."""
+    rows, generator = 5, torch.Generator().manual_seed(head_dim + heads)
+    row_format = Fp8EntryRows(head_dim, rope_dim)
+    q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
+    window = random_selection(kernels, rows, 9, head_dim, dtype, generator)
+    values = random_selection(kernels, rows, 40, head_dim, torch.float32, generator)
+    values.pool[1:] *= torch.logspace(-3, 2, values.pool.shape[0] - 1)[:, None]  # scales far apart
+    compressed = kernels.KVSelection(row_format.encode(values.pool), values.indices, values.lengths, row_format)
+    sink = torch.randn(heads, generator=generator)
+    angles = torch.rand(rows, rope_dim // 2, generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+    poison_allocations(monkeypatch)
+
+    out = kernels.sparse_decode_attention(q, window, compressed, sink, cos, sin, scale=head_dim**-0.5, splits=splits)
+
+    decoded = kernels.KVSelection(row_format.decode(compressed.pool, torch.float64), values.indices, values.lengths)
+    expected = kernels.sparse_decode_attention_reference(
+        q.double(), widened(kernels, window), decoded, sink.double(), cos.double(), sin.double(), scale=head_dim**-0.5
     )
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
 

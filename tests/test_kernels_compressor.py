@@ -22,6 +22,7 @@ from kernel_testing import (
     run_under_interpreter,
 )
 
+from sglang_dsv4.kernels.kv_format import PlainRows
 from sglang_dsv4.model.compressor import Compressor, CompressorState
 from sglang_dsv4.model.rope import Rotary
 
@@ -239,9 +240,14 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, mon
     torch_entries = entries.clone()
     x = torch.randn(len(rows), HIDDEN)
     with torch.no_grad():
-        batched._advance_pooled(compressor, x, index, torch_entries, batched._StateRecords(**torch_side))
+        stored_as = PlainRows(DIM, entries.dtype)
+        batched._advance_pooled(
+            compressor, x, index, batched._Rows(torch_entries, stored_as), batched._StateRecords(**torch_side)
+        )
         poison_allocations(monkeypatch)
-        batched._advance_one_token_each(compressor, x, index, entries, batched._StateRecords(**fresh))
+        batched._advance_one_token_each(
+            compressor, x, index, batched._Rows(entries, stored_as), batched._StateRecords(**fresh)
+        )
 
     def same(actual: torch.Tensor, expected: torch.Tensor, what: str, equal_nan: bool = False) -> None:
         assert equal_nan or not torch.isnan(actual).any(), f"{what}: NaN (a poisoned pool read, or unwritten)"

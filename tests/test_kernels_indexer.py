@@ -17,6 +17,7 @@ import torch
 from kernel_testing import interpreted_only, launcher_only, poison_allocations, relative_error, run_under_interpreter
 
 from sglang_dsv4.config import parse_config
+from sglang_dsv4.kernels.kv_format import Fp8KeyRows
 from sglang_dsv4.model.indexer import Indexer
 from sglang_dsv4.model.rope import Rotary
 from sglang_dsv4.tiny import TINY_CONFIG
@@ -91,6 +92,32 @@ def test_scores_match_float64_reference(indexer, poisoned, rows, heads, dim, poo
     visible = torch.isfinite(expected)
     assert torch.equal(torch.isneginf(scores), ~visible)
     assert relative_error(scores[visible], expected[visible]) < 1e-5
+
+
+@interpreted_only
+@pytest.mark.parametrize(("dim", "dtype"), [(32, torch.float32), (256, torch.float32), (64, torch.bfloat16)])
+def test_scores_of_fp8_key_rows_dequantized_in_the_kernel_match_the_reference(indexer, poisoned, dim, dtype):
+    """FP8 key rows (one float32 scale per 128 values: two blocks at 256) against the torch scores of the same
+    rows, decoded."""
+    generator = torch.Generator().manual_seed(dim)
+    rows, heads, pool_rows, width = 3, 32, 60, 41
+    row_format = Fp8KeyRows(dim)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    weights = torch.randn(rows, heads, generator=generator)
+    values = torch.randn(pool_rows, dim, generator=generator) * torch.logspace(-3, 2, pool_rows)[:, None]
+    keys = row_format.encode(values)
+    table = torch.randint(0, pool_rows, (rows, width), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([0, 17, width], dtype=torch.int32)
+
+    scores = indexer.index_scores(q, weights, keys, lengths, scale=dim**-0.5, table=table, keys_format=row_format)
+
+    decoded = row_format.decode(keys, torch.float64)
+    expected = indexer.index_scores_reference(
+        q.double(), weights.double(), decoded, lengths, scale=dim**-0.5, table=table
+    )
+    visible = torch.isfinite(expected)
+    assert torch.equal(torch.isneginf(scores), ~visible)
+    assert relative_error(scores[visible], expected[visible]) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @interpreted_only
@@ -183,9 +210,12 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
 
 @interpreted_only
 # One row tile, and two (the second partial); each tile's top-k by torch.topk, or (forced) by the Triton top-k.
-@pytest.mark.parametrize("rows,k,triton_top_k", [(7, 6, False), (300, 4, False), (7, 6, True)])
+@pytest.mark.parametrize(
+    "rows,k,triton_top_k,fp8_keys",
+    [(7, 6, False, False), (300, 4, False, False), (7, 6, True, False), (7, 6, False, True)],
+)
 def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
-    indexer, monkeypatch, rows, k, triton_top_k, poisoned
+    indexer, monkeypatch, rows, k, triton_top_k, fp8_keys, poisoned
 ):
     from sglang_dsv4.kernels import sparse_torch
     from sglang_dsv4.kernels.dispatch import index_top_k_triton
@@ -203,9 +233,10 @@ def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
     lengths = torch.randint(0, blocks + 1, (rows,)).int()
     lengths[:4] = torch.tensor([0, 1, k, blocks], dtype=torch.int32)  # empty, shorter than k, exactly k, full
     q, weights = torch.randn(rows, heads, dim), torch.rand(rows, heads)
-    args = (q, weights, keys, table, table_row, lengths, k)
-    chosen = index_top_k_triton(*args, scale=0.2)
-    expected = sparse_torch.streamed_top_k(*args, scale=0.2)
+    keys_format = Fp8KeyRows(dim) if fp8_keys else None  # the pool's rows FP8: both paths read them decoded
+    args = (q, weights, keys if keys_format is None else keys_format.encode(keys), table, table_row, lengths, k)
+    chosen = index_top_k_triton(*args, scale=0.2, keys_format=keys_format)
+    expected = sparse_torch.streamed_top_k(*args, scale=0.2, keys_format=keys_format)
     assert chosen.dtype == expected.dtype and chosen.shape == expected.shape
     for row, (mine, theirs) in enumerate(zip(chosen.tolist(), expected.tolist(), strict=True)):
         found = min(k, int(lengths[row]))

@@ -70,7 +70,16 @@ def test_dsv4_ledger_totals_the_requested_contexts_in_the_requested_dtype(capsys
     ]
 
 
-@pytest.mark.parametrize(("name", "kv_dtype"), [("flash", "fp8"), ("flash", "bf16"), ("pro", "bf16")])
+@pytest.mark.parametrize("name", ["flash", "pro"])
+def test_with_fp8_kv_our_rows_are_the_reference_rows(name):
+    ledger = KVLedger(named_config(name), torch.float8_e4m3fn)
+    reference, ours = ledger.reference, ledger.ours
+    assert ours.bytes_per_token == reference.bytes_per_token  # V4-Flash 3,850 B, V4-Pro 5,511 B
+    assert ours.window_slot_bytes == ledger.config.num_layers * reference.entry_bytes
+    assert KVLedger(named_config(name), torch.bfloat16).ours.bytes_per_token > 1.7 * ours.bytes_per_token
+
+
+@pytest.mark.parametrize(("name", "kv_dtype"), [("flash", "fp8"), ("flash", "bf16"), ("pro", "bf16"), ("pro", "fp8")])
 def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
     config, dtype = named_config(name), KV_DTYPES[kv_dtype]
     ours = KVLedger(config, dtype).ours

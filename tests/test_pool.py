@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from conftest import random_ids
 
@@ -62,18 +63,22 @@ def test_freeing_a_request_returns_its_entry_rows(tiny_model):
     assert pool.storage.usage() == before
 
 
-def test_bfloat16_pool_stores_bfloat16_and_keeps_the_greedy_choices(tiny_model):
+@pytest.mark.parametrize(
+    ("kv_dtype", "stored_dtype", "mean_logit_error"),
+    [(torch.bfloat16, torch.bfloat16, 0.05), (torch.float8_e4m3fn, torch.uint8, 0.3)],  # measured: 0.016, 0.11
+)
+def test_a_lossy_pool_stores_its_rows_and_keeps_the_greedy_choices(
+    tiny_model, kv_dtype: torch.dtype, stored_dtype: torch.dtype, mean_logit_error: float
+):
     ids = random_ids(300, tiny_model.config.vocab_size, seed=84)
-    pool = V4KVPool(1024, 1, tiny_model.config, torch.bfloat16, max_requests=2, max_context=1024, device="cpu")
-    assert pool.storage.window[0].dtype == torch.bfloat16 and all(
-        b.dtype == torch.bfloat16 for b in pool.storage.compressed.values()
-    )
+    pool = V4KVPool(1024, 1, tiny_model.config, kv_dtype, max_requests=2, max_context=1024, device="cpu")
+    assert all(rows.dtype == stored_dtype for rows in [*pool.storage.window, *pool.storage.compressed.values()])
     through_pool = run_through_pool(tiny_model, pool, 1, ids, [150, 150])
     exact = tiny_model(ids, tiny_model.new_state())
-    assert (through_pool[:150] - exact[:150]).abs().max() <= 1e-4  # the first chunk reads nothing back
-    later = slice(150, None)  # reads the window and entries back, rounded to bfloat16
-    assert (through_pool[later] - exact[later]).abs().max() > 1e-3
-    assert (through_pool[later].argmax(-1) == exact[later].argmax(-1)).float().mean() >= 0.95
+    # Every chunk attends the rows as stored, its own tokens' too (logits here have a spread of 6).
+    error = (through_pool - exact).abs()
+    assert error[:150].mean() > 1e-3 and error.mean() <= mean_logit_error
+    assert (through_pool.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.95
 
 
 def test_a_checkpoint_resumes_exactly_on_another_row(tiny_model):

@@ -36,6 +36,7 @@ import torch
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
 from ..kernels.dispatch import index_top_k, sparse_attention, uses_triton
+from ..kernels.kv_format import PoolFormats, RowFormat
 from ..kernels.selection import KVSelection
 from ..model.attention import Attention
 from ..model.compressor import Compressor, SoftmaxPool
@@ -89,8 +90,9 @@ class RequestTableStorage(Protocol):
 class PoolStorage(Protocol):
     """The V4 pool's tensors (:class:`~sglang_dsv4.memory_pool.storage.V4PoolStorage`)."""
 
-    window: list[torch.Tensor]
-    compressed: dict[tuple[int, str], torch.Tensor]
+    window: list[torch.Tensor]  # window rows, stored as formats.entries
+    compressed: dict[tuple[int, str], torch.Tensor]  # entries and indexer keys, stored as formats says
+    formats: PoolFormats
     state: dict[tuple[int, str], torch.Tensor]
     previous_state: dict[tuple[int, str], torch.Tensor]
     checkpoint_state: dict[tuple[int, str], torch.Tensor]
@@ -469,37 +471,55 @@ def attend(
     ``[tokens, local heads, head_dim]`` for query heads ``heads`` (all by default; a tensor-parallel
     rank passes its own). Advances the layer's pools in place."""
     q_residual, q, kv, cos, sin = attention.project(x, index.positions)
-    window_rows = pool.window[layer]
-    staged = torch.cat([kv, window_rows[index.window.previous_slots].to(kv.dtype)])
-    window_rows.index_copy_(0, index.window.write_slots, kv.to(window_rows.dtype))
+    window_rows, formats = pool.window[layer], pool.formats
+    # The chunk's own tokens are read as stored, as the forwards after it read them from the pool.
+    stored = formats.entries.encode(kv)
+    earlier = formats.entries.decode(window_rows[index.window.previous_slots], kv.dtype)
+    staged = torch.cat([formats.entries.decode(stored, kv.dtype), earlier])
+    window_rows.index_copy_(0, index.window.write_slots, stored)
     window = KVSelection(staged, index.window.indices, index.window.lengths)
     compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
     if attention.compressor is not None:
-        entries = pool.compressed[(layer, "entries")]
+        entries = _Rows(pool.compressed[(layer, "entries")], formats.entries)
         reads = index.entries[attention.compressor.ratio]
         _advance(attention.compressor, x, index, entries, _records(pool, (layer, "compressor")))
         if attention.indexer is None:
-            compressed = KVSelection(entries, reads.per_token, reads.visible)
+            compressed = KVSelection(entries.pool, reads.per_token, reads.visible, entries.row_format)
         else:
-            keys = pool.compressed[(layer, "indexer_keys")]
+            keys = _Rows(pool.compressed[(layer, "indexer_keys")], formats.indexer_keys)
             _advance(attention.indexer.compressor, x, index, keys, _records(pool, (layer, "indexer")))
-            chosen = select_entries(attention.indexer, x, q_residual, index, keys)
+            chosen = select_entries(attention.indexer, x, q_residual, index, keys.pool, keys.row_format)
             rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)]
-            compressed = KVSelection(entries, rows.to(torch.int32), (chosen >= 0).sum(-1, dtype=torch.int32))
+            selected = (chosen >= 0).sum(-1, dtype=torch.int32)
+            compressed = KVSelection(entries.pool, rows.to(torch.int32), selected, entries.row_format)
     sink = attention.attn_sink[heads].float()
     return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
 
 
 def select_entries(
-    indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, index: ForwardIndex, keys: torch.Tensor
+    indexer: Indexer,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    index: ForwardIndex,
+    keys: torch.Tensor,
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
-    """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1."""
+    """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1
+    (``keys``: the indexer key pool, its rows stored in ``keys_format``)."""
     q, head_weights = indexer.queries(x, q_residual, index.positions)
     reads = index.entries[indexer.compressor.ratio]
     return index_top_k(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
-        scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners,
+        scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners, keys_format=keys_format,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One compressed pool of a layer (entries or indexer keys) and how its rows are stored."""
+
+    pool: torch.Tensor
+    row_format: RowFormat
 
 
 @dataclass(frozen=True)
@@ -514,7 +534,7 @@ def _records(pool: PoolStorage, key: tuple[int, str]) -> _StateRecords:
 
 
 def _advance(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: torch.Tensor, records: _StateRecords
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
 ) -> None:
     """Run the compressor over the forward: entry rows of complete blocks, new states, snapshots.
 
@@ -528,7 +548,7 @@ def _advance(
 
 
 def _advance_one_token_each(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: torch.Tensor, records: _StateRecords
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
 ) -> None:
     """:func:`_advance` of a decode forward through the compressor's decode kernel, which advances the
     state records in place: the record one step back is saved before it, the snapshot (the state after
@@ -536,12 +556,12 @@ def _advance_one_token_each(
     targets = index.compressors[compressor.ratio]
     records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
     new_entries = compressor_decode_kernel(compressor, x, index.positions, records.state, index.rows)
-    entries.index_copy_(0, targets.entry_rows, new_entries.to(entries.dtype))
+    entries.pool.index_copy_(0, targets.entry_rows, entries.row_format.encode(new_entries))
     records.checkpoint.index_copy_(0, targets.snapshot_records, records.state[index.rows])
 
 
 def _advance_pooled(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: torch.Tensor, records: _StateRecords
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
 ) -> None:
     """:func:`_advance` in torch: the same pools as :meth:`~sglang_dsv4.model.compressor.Compressor.pool_reference`,
     for every block the forward touches at once (see :class:`CompressorTargets`)."""
@@ -565,7 +585,7 @@ def _advance_pooled(
         entry_pools = later[:touched]
     new_entries = compressor.norm(entry_pools.value().to(x.dtype))
     cos, sin = compressor.rotary.cos_sin(targets.entry_positions)
-    entries.index_copy_(0, targets.entry_rows, apply_rope(new_entries, cos, sin).to(entries.dtype))
+    entries.pool.index_copy_(0, targets.entry_rows, entries.row_format.encode(apply_rope(new_entries, cos, sin)))
 
     last, ends_block = targets.last_target, targets.ends_block
     empty = SoftmaxPool.empty((len(last), dim), x.device)

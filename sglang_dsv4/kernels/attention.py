@@ -9,6 +9,10 @@ output's trailing ``rope_dim`` channels get the inverse rope at the query's posi
 (the values carry their keys' rope). Semantics: :meth:`sglang_dsv4.model.attention.Attention._attend`
 followed by the inverse rope; :func:`sparse_decode_attention_reference` states them in torch.
 
+The compressed pool's rows may be DeepSeek's FP8 rows (``--kv-cache-dtype fp8_e4m3``,
+:class:`~.kv_format.Fp8EntryRows`): the kernel loads their bytes and dequantizes them in-register
+(:mod:`.fp8_rows`); the window's rows come staged as values.
+
 Index buffers have a fixed width per call and a length per row, so one launch serves
 rows of different lengths and can be captured in a CUDA graph. A program handles one
 row and a block of heads; when rows times head blocks are too few to fill the GPU
@@ -25,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_rows import fp8_entry_rows
 from .interpreter import INTERPRETED, dot
+from .kv_format import Fp8EntryRows, PlainRows
 from .selection import KVSelection
 from .sparse_torch import sparse_decode_attention_reference  # noqa: F401  (the kernel's oracle)
 
@@ -79,6 +85,8 @@ def sparse_decode_attention(
         partial_acc = torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=q.device)
         partial_stats = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32"
+    fp8 = isinstance(compressed.row_format, Fp8EntryRows)
+    fp8_rows = compressed.row_format if fp8 else Fp8EntryRows(head_dim, 0)  # its offsets unused
     # Head blocks vary fastest, so the programs sharing a row's entries run together and meet them in the L2.
     _sparse_attention_kernel[(head_blocks, rows, splits)](
         q, q.stride(0), q.stride(1),
@@ -90,7 +98,9 @@ def sparse_decode_attention(
         partial_acc, partial_stats,
         heads, scale * LOG2E,
         HEAD_DIM=head_dim, ROPE_DIM=rope_dim, BLOCK_H=block_heads, BLOCK_N=launch.block_entries, SPLITS=splits,
-        DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
+        COMPRESSED_FP8=fp8, NOPE_DIM=fp8_rows.nope_dim,
+        SCALE_OFFSET=fp8_rows.scale_offset, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(rows, triton.cdiv(heads, MERGE_BLOCK_HEADS))](
@@ -168,29 +178,48 @@ def _check_inputs(
         raise ValueError("cos and sin must share one layout with a contiguous last dim")
     if sink.shape != (heads,) or sink.dtype != torch.float32 or not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
+    if window.row_format is not None and not isinstance(window.row_format, PlainRows):
+        raise ValueError("the window's rows are read as values (the backend stages them); only compressed rows are FP8")
     for name, part in (("window", window), ("compressed", compressed)):
-        if part.pool.dim() != 2 or part.pool.shape[1] != head_dim or part.pool.stride(1) != 1:
-            raise ValueError(f"{name} pool must be [rows, {head_dim}] with contiguous rows")
-        if part.pool.dtype != q.dtype:
-            raise ValueError(f"{name} pool is {part.pool.dtype}, q is {q.dtype}")
+        width, dtype = _stored_row(part, head_dim, q.dtype)
+        if part.pool.dim() != 2 or part.pool.shape[1] != width or part.pool.stride(1) != 1:
+            raise ValueError(f"{name} pool must be [rows, {width}] with contiguous rows")
+        if part.pool.dtype != dtype:
+            raise ValueError(f"{name} pool is {part.pool.dtype}, its rows want {dtype} (q is {q.dtype})")
         if part.indices.dtype != torch.int32 or part.indices.shape[0] != rows or part.indices.stride(1) != 1:
             raise ValueError(f"{name} indices must be int32 [{rows}, width] with a contiguous last dim")
         if part.lengths.dtype != torch.int32 or part.lengths.shape != (rows,):
             raise ValueError(f"{name} lengths must be int32 [{rows}]")
 
 
+def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """Width and dtype of a pool's rows: FP8 entry rows are bytes, any other row ``head_dim`` values in ``dtype``."""
+    if isinstance(part.row_format, Fp8EntryRows):
+        if part.row_format.dim != head_dim:
+            raise ValueError(f"FP8 rows of {part.row_format.dim} values for a head_dim of {head_dim}")
+        return part.row_format.row_bytes, torch.uint8
+    return head_dim, dtype
+
+
 @triton.jit
 def _attend_entries(
     q, m_i, l_i, acc, kv_ptr, kv_row_stride, index_ptr, start, end, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    FP8_ROWS: tl.constexpr = False, NOPE_DIM: tl.constexpr = 0, SCALE_OFFSET: tl.constexpr = 0,
 ):  # fmt: skip
-    """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits)."""
+    """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits).
+
+    With ``FP8_ROWS`` the pool's rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`), dequantized
+    here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value)."""
     columns = tl.arange(0, HEAD_DIM)
     for first in range(start, end, BLOCK_N):
         slots = first + tl.arange(0, BLOCK_N)
         valid = slots < end
         rows = tl.load(index_ptr + slots, mask=valid, other=0).to(tl.int64)
-        kv = tl.load(kv_ptr + rows[:, None] * kv_row_stride + columns[None, :], mask=valid[:, None], other=0.0)
+        if FP8_ROWS:
+            kv = fp8_entry_rows(kv_ptr, rows, kv_row_stride, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET).to(q.dtype)
+        else:
+            kv = tl.load(kv_ptr + rows[:, None] * kv_row_stride + columns[None, :], mask=valid[:, None], other=0.0)
         logits = dot(q, tl.trans(kv), DOT_PRECISION, UPCAST_DOT) * scale_log2
         logits = tl.where(valid[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -233,6 +262,7 @@ def _sparse_attention_kernel(
     num_heads, scale_log2,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    COMPRESSED_FP8: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
 ):  # fmt: skip
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
@@ -259,7 +289,7 @@ def _sparse_attention_kernel(
     m_i, l_i, acc = _attend_entries(
         q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index + row * compressed_index_stride,
         tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
-        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET,
     )  # fmt: skip
     if SPLITS == 1:
         _store_with_inverse_rope(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from . import sparse_torch
+from .kv_format import RowFormat
 from .selection import KVSelection
 
 
@@ -56,15 +57,19 @@ def index_top_k(
     *,
     scale: float,
     tile_owners: list[int],
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, then ``-1``
     (:func:`.sparse_torch.streamed_top_k`, whose arguments these are). The slots come best first
     except from the Triton top-k, whose order is not set: callers use them as a set."""
     if uses_triton(q):
-        return index_top_k_triton(q, head_weights, keys, table, table_row, lengths, k, scale=scale)
+        return index_top_k_triton(
+            q, head_weights, keys, table, table_row, lengths, k, scale=scale, keys_format=keys_format
+        )
     return sparse_torch.streamed_top_k(
-        q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners
-    )
+        q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners,
+        keys_format=keys_format,
+    )  # fmt: skip
 
 
 def index_top_k_triton(
@@ -77,6 +82,7 @@ def index_top_k_triton(
     k: int,
     *,
     scale: float,
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
     the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: the Triton top-k where it
@@ -87,7 +93,9 @@ def index_top_k_triton(
     for first in range(0, q.shape[0], INDEX_ROW_TILE):
         tile = slice(first, first + INDEX_ROW_TILE)
         rows_table = table[table_row[tile]].to(torch.int32)
-        scores = index_scores(q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table)
+        scores = index_scores(
+            q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table, keys_format=keys_format
+        )
         chosen.append(exact_top_k(scores, lengths[tile], k).long())
     return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
 

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_rows import fp8_key_rows
 from .interpreter import INTERPRETED, dot
+from .kv_format import Fp8KeyRows, RowFormat
 from .topk import temporal_top_k, top_k, top_k_reference
 
 
@@ -27,16 +29,19 @@ def index_scores(
     *,
     scale: float,
     table: torch.Tensor | None = None,
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """Scores ``[rows, width]`` float32 of each query row against its keys.
 
     ``q`` is ``[rows, heads, dim]``; ``head_weights`` ``[rows, heads]`` float32; ``keys``
-    ``[pool_rows, dim]``; ``lengths`` ``[rows]`` int32. ``table`` ``[rows, width]`` int32
+    ``[pool_rows, dim]``, or FP8 key rows (bytes) with ``keys_format`` an :class:`~.kv_format.Fp8KeyRows`,
+    dequantized in-register; ``lengths`` ``[rows]`` int32. ``table`` ``[rows, width]`` int32
     maps a row's key slot to a pool row (its row stride may be 0: queries of one request
     share a table); without it slot ``j`` is pool row ``j`` and ``width = pool_rows``.
     """
     rows, heads, dim = q.shape
-    _check_inputs(q, head_weights, keys, lengths, table)
+    fp8 = isinstance(keys_format, Fp8KeyRows)
+    _check_inputs(q, head_weights, keys, lengths, table, keys_format if fp8 else None)
     width = keys.shape[0] if table is None else table.shape[1]
     scores = q.new_empty((rows, width), dtype=torch.float32)
     if rows == 0 or width == 0:
@@ -48,7 +53,7 @@ def index_scores(
         q, q.stride(0), q.stride(1), head_weights, head_weights.stride(0), keys, keys.stride(0),
         table_arg, 0 if table is None else table.stride(0), lengths, scores, scores.stride(0), width, scale,
         HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
-        TILES=tiles, HAS_TABLE=table is not None,
+        TILES=tiles, HAS_TABLE=table is not None, KEYS_FP8=fp8, SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,
         num_warps=4,
     )  # fmt: skip
@@ -133,14 +138,18 @@ def _check_inputs(
     keys: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor | None,
+    fp8_keys: Fp8KeyRows | None,
 ) -> None:
     rows, heads, dim = q.shape
     if q.stride(2) != 1 or keys.stride(1) != 1:
         raise ValueError("q and keys need a contiguous last dim")
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"index head dim must be a power of two >= 16, got {dim}")
-    if keys.dim() != 2 or keys.shape[1] != dim or keys.dtype != q.dtype:
-        raise ValueError(f"keys must be [pool_rows, {dim}] in {q.dtype}, got {keys.dtype} {tuple(keys.shape)}")
+    width, dtype = (dim, q.dtype) if fp8_keys is None else (fp8_keys.row_bytes, torch.uint8)
+    if fp8_keys is not None and fp8_keys.dim != dim:
+        raise ValueError(f"FP8 key rows of {fp8_keys.dim} values for an index head dim of {dim}")
+    if keys.dim() != 2 or keys.shape[1] != width or keys.dtype != dtype:
+        raise ValueError(f"keys must be [pool_rows, {width}] in {dtype}, got {keys.dtype} {tuple(keys.shape)}")
     if head_weights.shape != (rows, heads) or head_weights.dtype != torch.float32 or head_weights.stride(1) != 1:
         raise ValueError(f"head_weights must be float32 [{rows}, {heads}] with a contiguous last dim")
     if lengths.shape != (rows,) or lengths.dtype != torch.int32:
@@ -155,6 +164,7 @@ def _index_scores_kernel(
     table_ptr, table_row_stride, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
     HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr,
     TILES: tl.constexpr, HAS_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -174,8 +184,11 @@ def _index_scores_kernel(
             key_rows = tl.load(table_ptr + row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
         else:
             key_rows = slots.to(tl.int64)
-        key_pointers = keys_ptr + key_rows[:, None] * keys_row_stride + channels[None, :]
-        k = tl.load(key_pointers, mask=visible[:, None], other=0.0)
+        if KEYS_FP8:
+            k = fp8_key_rows(keys_ptr, key_rows, keys_row_stride, visible, DIM, SCALE_OFFSET).to(q.dtype)
+        else:
+            key_pointers = keys_ptr + key_rows[:, None] * keys_row_stride + channels[None, :]
+            k = tl.load(key_pointers, mask=visible[:, None], other=0.0)
         dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_KEYS, BLOCK_HEADS], float32
         scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
         scores = tl.where(visible, scores, float("-inf"))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .selection import KVSelection
+from .kv_format import RowFormat
+from .selection import KVSelection, read_rows
 
 ROW_TILE = 64  # query rows per step
 ENTRY_TILE = 512  # compressed rows folded into the online softmax per step
@@ -43,21 +44,23 @@ def sparse_attention(
         total = torch.ones_like(peak)  # ... with weight exp(0) and a zero value
         acc = torch.zeros_like(tile_q)
         state = (peak, total, acc)
-        state = _fold(state, tile_q, _rows_of(window, rows, slice(None)), scale)
+        state = _fold(state, tile_q, _rows_of(window, rows, slice(None), compute), scale)
         for entry in range(0, compressed.indices.shape[1], ENTRY_TILE):
-            state = _fold(state, tile_q, _rows_of(compressed, rows, slice(entry, entry + ENTRY_TILE)), scale)
+            state = _fold(state, tile_q, _rows_of(compressed, rows, slice(entry, entry + ENTRY_TILE), compute), scale)
         peak, total, acc = state
         out[rows] = _inverse_rope((acc / total[..., None]).to(q.dtype), cos[rows], sin[rows])
     return out
 
 
-def _rows_of(part: KVSelection, rows: slice, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool rows ``[rows, width, head_dim]`` a tile of query rows reads, and which of them are real."""
+def _rows_of(
+    part: KVSelection, rows: slice, columns: slice, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool rows ``[rows, width, head_dim]`` in ``dtype`` a tile of query rows reads, and which of them are real."""
     indices = part.indices[rows, columns]
     first = columns.start or 0
     slots = torch.arange(first, first + indices.shape[1], device=indices.device)
     visible = slots[None, :] < part.lengths[rows, None]
-    keys = part.pool[indices.long().clamp(0, part.pool.shape[0] - 1)]
+    keys = read_rows(part.pool, indices.long().clamp(0, part.pool.shape[0] - 1), part.row_format, dtype)
     return keys, visible
 
 
@@ -94,13 +97,15 @@ def streamed_top_k(
     *,
     scale: float,
     tile_owners: list[int] | None = None,
+    keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """The ``k`` best-scoring key slots of each query row, ``[rows, k]`` int64, best first, then ``-1``.
 
     Row ``r`` scores keys ``keys[table[table_row[r], j]]`` for ``j < lengths[r]`` as
     :func:`.indexer.index_scores_reference` does (``sum_h w_h * ReLU(q_h . k) * scale``);
     queries of one request share one table row. Keys are scored ``KEY_TILE`` at a time and
-    merged into a running top-k, so a row's scores are never all held at once.
+    merged into a running top-k, so a row's scores are never all held at once. ``keys_format``: how
+    ``keys`` stores its rows (None: the rows are the keys).
     ``tile_owners`` (host values, one per ``ROW_TILE`` rows) names the table row all rows of a
     tile share, or -1: a shared tile gathers its keys once instead of once per row.
     """
@@ -116,10 +121,10 @@ def streamed_top_k(
             slots = torch.arange(key_first, min(key_first + KEY_TILE, table.shape[1]), device=q.device)
             owner = -1 if tile_owners is None else tile_owners[first // ROW_TILE]
             if owner >= 0:
-                shared_keys = keys[table[owner, slots]].to(compute)  # [tile, dim]
+                shared_keys = read_rows(keys, table[owner, slots], keys_format, compute)  # [tile, dim]
                 dots = torch.einsum("rhd,kd->rhk", tile_q, shared_keys).relu() * scale
             else:
-                tile_keys = keys[table[table_row[tile, None], slots[None, :]]].to(compute)  # [rows, tile, dim]
+                tile_keys = read_rows(keys, table[table_row[tile, None], slots[None, :]], keys_format, compute)
                 dots = torch.einsum("rhd,rkd->rhk", tile_q, tile_keys).relu() * scale
             scores = torch.einsum("rhk,rh->rk", dots, tile_weights)
             scores = scores.masked_fill(slots[None, :] >= lengths[tile, None], float("-inf"))
@@ -143,7 +148,7 @@ def sparse_decode_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """The same attention in torch (gather, then the model's softmax with the sink), in ``q``'s dtype."""
-    keys = torch.cat([_gather(window), _gather(compressed)], dim=1)  # [rows, width, head_dim]
+    keys = torch.cat([_gather(window, q.dtype), _gather(compressed, q.dtype)], dim=1)  # [rows, width, head_dim]
     visible = torch.cat([_visible(window), _visible(compressed)], dim=1)
     logits = torch.einsum("rhd,rkd->rhk", q, keys) * scale
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
@@ -153,8 +158,8 @@ def sparse_decode_attention_reference(
     return _inverse_rope(out, cos, sin)
 
 
-def _gather(part: KVSelection) -> torch.Tensor:
-    return part.pool[part.indices.long().clamp(0, part.pool.shape[0] - 1)]
+def _gather(part: KVSelection, dtype: torch.dtype) -> torch.Tensor:
+    return read_rows(part.pool, part.indices.long().clamp(0, part.pool.shape[0] - 1), part.row_format, dtype)
 
 
 def _visible(part: KVSelection) -> torch.Tensor:

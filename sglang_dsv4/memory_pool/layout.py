@@ -31,6 +31,10 @@ Compressed entries: one row per block of the token pool, and one per request row
 resumed inside a block writes that block's entry anew while the tree keeps the block's first
 tokens), so a forward whose token slots SGLang found always finds its entry rows.
 
+Window rows, compressed entries and indexer keys are stored in the KV dtype's row formats
+(:attr:`PoolLayout.formats`): the values themselves in float32 or bfloat16, or DeepSeek's FP8 rows
+under an FP8 KV dtype (584 B a window row or entry, 132 B an indexer key at V4's dims).
+
 The pool (:mod:`.pool`) allocates exactly these buffers, and the KV ledger reads its
 figures from here, so the number a user reads is the number the server uses.
 """
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import DeepseekV4Config
+from ..kernels.kv_format import PoolFormats, RowFormat, pool_formats
 
 STATE_DTYPE = torch.float32
 TABLE_DTYPE = torch.int64  # the request tables' cells: pool rows
@@ -90,8 +95,17 @@ class PoolLayout:
     kv_dtype: torch.dtype
 
     @property
-    def kv_bytes(self) -> int:
-        return torch.empty(0, dtype=self.kv_dtype).element_size()
+    def formats(self) -> PoolFormats:
+        """How window rows, compressed entries and indexer keys are stored (in the KV dtype, or FP8-packed)."""
+        config = self.config
+        return pool_formats(self.kv_dtype, config.head_dim, config.rope_head_dim, config.index_head_dim)
+
+    def format_of(self, buffer: CompressedBuffer) -> RowFormat:
+        formats = self.formats
+        return formats.indexer_keys if buffer.kind == "indexer_keys" else formats.entries
+
+    def row_bytes(self, buffer: CompressedBuffer) -> int:
+        return self.format_of(buffer).row_bytes
 
     def compressed_buffers(self) -> list[CompressedBuffer]:
         config, buffers = self.config, []
@@ -118,12 +132,12 @@ class PoolLayout:
     @property
     def bytes_per_token(self) -> float:
         """Persistent bytes per token of context: compressed entries and indexer keys."""
-        return sum(b.dim * self.kv_bytes / b.ratio for b in self.compressed_buffers())
+        return sum(self.row_bytes(b) / b.ratio for b in self.compressed_buffers())
 
     @property
     def window_slot_bytes(self) -> int:
         """One token's raw KV in every layer."""
-        return self.config.num_layers * self.config.head_dim * self.kv_bytes
+        return self.config.num_layers * self.formats.entries.row_bytes
 
     @property
     def window_slots_per_request(self) -> int:
@@ -175,7 +189,7 @@ class PoolLayout:
     def bytes_per_request(self) -> int:
         """Fixed bytes per request row: a running request's, its share of checkpoints, and its
         entry row per compressed buffer."""
-        entries = sum(b.dim * self.kv_bytes for b in self.compressed_buffers())
+        entries = sum(self.row_bytes(b) for b in self.compressed_buffers())
         return self.running_bytes_per_request + self.checkpoint_bytes_per_request + entries
 
     @property
@@ -183,7 +197,7 @@ class PoolLayout:
         """Row 0 of every compressed buffer, window slot 0 and checkpoint record 0: padding,
         where unused table cells point."""
         return (
-            sum(b.dim * self.kv_bytes for b in self.compressed_buffers()) + self.window_slot_bytes + self.record_bytes
+            sum(self.row_bytes(b) for b in self.compressed_buffers()) + self.window_slot_bytes + self.record_bytes
         )
 
     def request_table_bytes(self, context: int) -> int:

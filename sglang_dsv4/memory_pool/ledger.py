@@ -7,9 +7,10 @@ Two layouts side by side, for any V4 config:
   22.2 MiB): FP8-packed KV entries, FP8 indexer keys, and the compressors' partial blocks
   kept as raw float32 rows;
 * *ours*, read from :class:`~.layout.PoolLayout` — the definitions :class:`~.storage.V4PoolStorage`
-  allocates from, so the figure a user reads is the figure the server uses: entries and
-  indexer keys in the KV dtype, the window as a per-request ring, and the compressor state
-  as float32 online softmax pools (DESIGN.md, "The state of one request").
+  allocates from, so the figure a user reads is the figure the server uses: entries, window
+  rows and indexer keys in the KV dtype (under FP8, the reference's rows:
+  :mod:`sglang_dsv4.kernels.kv_format`), the window as a per-request ring, and the compressor
+  state as float32 online softmax pools (DESIGN.md, "The state of one request").
 
 A third table, per GPU (:class:`RankLedger`): the weights each of ``tp`` ranks keeps
 resident, read from :mod:`sglang_dsv4.model.weight_layout` (release formats and splits),
@@ -33,12 +34,13 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DeepseekV4Config, check_tensor_parallel, load_config, named_config, parse_config
+from ..kernels.kv_format import FP8, PoolFormats, pool_formats
 from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
 from .layout import CHECKPOINT_WINDOWS_PER_REQUEST_ROW, PoolLayout
 
 # The multi-token-prediction layer's weights (its experts included): what speculative decoding adds.
 MTP_PART = "MTP layer (speculative decoding)"
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"fp8": FP8, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_CONTEXTS = (131072, 1048576)
 # What nvidia-smi reports for one H200 (its datasheet's "141 GB").
 H200_BYTES = 143771 * 2**20
@@ -46,16 +48,11 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # --quantization: the release checkpoints' formats (FP8 dense, FP4 experts), or none (model dtype).
 QUANTIZATIONS = {"fp8": True, "none": False}
 
-# Reference KV entry (upstream SGLang's DSV4 "V4" KV layout): the non-rope dims in FP8 with
-# one UE8M0 scale byte per 64 of them, the rope dims in BF16, one pad byte. For head_dim 512
-# and rope 64: 448 + 64 * 2 + 7 + 1 = 584 bytes.
-ENTRY_SCALE_BLOCK = 64
-ENTRY_SCALE_PAD = 1
-ROPE_BYTES = 2
-# Reference indexer key: FP8 values with one float32 scale per 128 of them: 128 + 4 = 132
-# bytes for index_head_dim 128 (an FP4 packing would be 128 / 2 + 128 / 32 = 68 bytes).
-INDEXER_SCALE_BLOCK = 128
-INDEXER_SCALE_BYTES = 4
+# Reference KV entries and indexer keys: DeepSeek's FP8 rows (kernels/kv_format.py), the rows our pools store
+# under --kv-cache-dtype fp8_e4m3. A KV entry: the non-rope dims in FP8 with one UE8M0 scale byte per 64 of
+# them, the rope dims in BF16, one pad byte (448 + 64 * 2 + 7 + 1 = 584 bytes for head_dim 512, rope 64).
+# An indexer key: FP8 values with one float32 scale per 128 of them (128 + 4 = 132 bytes for index_head_dim
+# 128; an FP4 packing would be 128 / 2 + 128 / 32 = 68 bytes).
 # Reference compressor state, per request and layer, as raw float32 rows: a ratio-r
 # compressor keeps the tokens of its partial block, each row holding the projected KV and
 # its gate score (2 series); the overlapping ratio-4 compressor keeps two blocks' worth of
@@ -72,17 +69,19 @@ class ReferenceLayout:
     config: DeepseekV4Config
 
     @property
+    def formats(self) -> PoolFormats:
+        config = self.config
+        return pool_formats(FP8, config.head_dim, config.rope_head_dim, config.index_head_dim)
+
+    @property
     def entry_bytes(self) -> int:
         """One FP8-packed KV entry (a window row or a compressed entry): 584 B for V4."""
-        config = self.config
-        nope = config.nope_head_dim
-        return nope + config.rope_head_dim * ROPE_BYTES + nope // ENTRY_SCALE_BLOCK + ENTRY_SCALE_PAD
+        return self.formats.entries.row_bytes
 
     @property
     def indexer_key_bytes(self) -> int:
         """One FP8 indexer key with its float32 scales: 132 B for V4."""
-        dim = self.config.index_head_dim
-        return dim + dim // INDEXER_SCALE_BLOCK * INDEXER_SCALE_BYTES
+        return self.formats.indexer_keys.row_bytes
 
     @property
     def bytes_per_token(self) -> float:
@@ -169,8 +168,9 @@ class KVLedger:
             f"reference: KV entries FP8-packed ({reference.entry_bytes} B), indexer keys FP8"
             f" ({reference.indexer_key_bytes} B), compressor state as raw float32 rows"
         )
+        stored = "FP8-packed as the reference's" if ours.formats.quantized else f"in {dtype_name}"
         ours_note = (
-            f"ours: KV entries and indexer keys in {dtype_name}, window slots per token (a running request"
+            f"ours: KV entries, window rows and indexer keys {stored}, window slots per token (a running request"
             " holds window + 1), compressor state as float32 online pools; the server also allocates"
             f" {CHECKPOINT_WINDOWS_PER_REQUEST_ROW} checkpoint windows and {ours.checkpoint_records_per_request_row}"
             f" checkpoint state records per request row for the prefix cache"

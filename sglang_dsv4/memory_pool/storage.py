@@ -4,8 +4,10 @@ block, compressor-state records per request row and per checkpoint.
 The network's :class:`~sglang_dsv4.model.state.LayerState` is the contract: the storage
 loads a request's layer state at position P from its rows (:meth:`V4PoolStorage.load`) and
 stores what a forward advanced it to (:meth:`V4PoolStorage.store`); the batched backend reads
-and writes the same tensors in place. Which rows a request holds is in its
-:class:`~.request_tables.RequestTables`; who else shares them, by reference count, in the
+and writes the same tensors in place. Window rows, compressed entries and indexer keys are stored in
+the KV dtype's row formats (:mod:`sglang_dsv4.kernels.kv_format`: the values themselves, or FP8-packed),
+encoded where written and decoded where read; the compressor-state records are float32 whatever it is.
+Which rows a request holds is in its :class:`~.request_tables.RequestTables`; who else shares them, by reference count, in the
 :class:`~.shared_rows.SharedRows` of each kind. What a checkpoint is and which entries the
 prefix cache owns belong to :mod:`sglang_dsv4.prefix_cache`; the SGLang ``KVCache`` that
 carries all of it is :class:`sglang_dsv4.kv_cache.V4KVPool`. Nothing here imports SGLang.
@@ -54,15 +56,16 @@ class V4PoolStorage:
             num_tokens,
             self.device,
         )
+        # Window rows are stored as compressed entries are: FP8-packed under an FP8 KV dtype.
+        self.formats = layout.formats
         slots = self.window_slots.capacity + 1
-        self.window = [
-            torch.zeros(slots, config.head_dim, dtype=kv_dtype, device=device) for _ in range(config.num_layers)
-        ]
+        self.window = [self.formats.entries.empty(slots, device) for _ in range(config.num_layers)]
         self.ratio = {(b.layer, b.kind): b.ratio for b in compressed}
         self.compressed = {
-            (b.layer, b.kind): torch.zeros(self.entry_rows[b.ratio].capacity + 1, b.dim, dtype=kv_dtype, device=device)
+            (b.layer, b.kind): layout.format_of(b).empty(self.entry_rows[b.ratio].capacity + 1, device)
             for b in compressed
         }
+        self.row_formats = {(b.layer, b.kind): layout.format_of(b) for b in compressed}
         states = layout.state_buffers()
         self.state = {(b.layer, b.kind): self._records(request_rows, b) for b in states}
         # Each row's record one token back: where a checkpoint a decode step late reads (see save_record).
@@ -116,11 +119,12 @@ class V4PoolStorage:
     def load(self, layer: int, request: int, start: int, dtype: torch.dtype) -> LayerState:
         """The layer's state of ``request`` after ``start`` tokens, its KV in the compute ``dtype``."""
         first = max(0, start - self.config.sliding_window)
-        window = self.window[layer][self.tables.window_rows(request, first, start)].to(dtype)
+        window = self.formats.entries.decode(self.window[layer][self.tables.window_rows(request, first, start)], dtype)
         return LayerState(
             window,
             self._load_compressor(layer, "entries", "compressor", request, start, dtype),
             self._load_compressor(layer, "indexer_keys", "indexer", request, start, dtype),
+            stored_as=self.formats,
         )
 
     def store(self, layer: int, request: int, start: int, end: int, state: LayerState) -> None:
@@ -128,7 +132,7 @@ class V4PoolStorage:
         # Only the new tokens' rows changed; positions the row keeps no slot for are skipped.
         slots = self.tables.window_rows(request, start, end)
         kept = slots > 0
-        self.window[layer][slots[kept]] = state.added[kept].to(self.dtype)
+        self.window[layer][slots[kept]] = self.formats.entries.encode(state.added[kept])
         self._store_compressor(layer, "entries", "compressor", request, start, end, state.compressor)
         self._store_compressor(layer, "indexer_keys", "indexer", request, start, end, state.indexer)
 
@@ -139,7 +143,8 @@ class V4PoolStorage:
         if key not in self.compressed:
             return None
         ratio = self.ratio[key]
-        entries = self.compressed[key][self.tables.entries(request, ratio, 0, start // ratio)].to(dtype)
+        rows = self.compressed[key][self.tables.entries(request, ratio, 0, start // ratio)]
+        entries = self.row_formats[key].decode(rows, dtype)
         record = self.state[(layer, state_kind)][request]
         if start == 0:  # a new request: whatever the row held belongs to an earlier one
             record = torch.zeros_like(record)
@@ -162,7 +167,7 @@ class V4PoolStorage:
         first_new, total = start // ratio, state.entries.shape[0]
         if total > first_new:
             rows = self.tables.entries(request, ratio, first_new, total)
-            self.compressed[key][rows] = state.entries[first_new:].to(self.dtype)
+            self.compressed[key][rows] = self.row_formats[key].encode(state.entries[first_new:])
         pools = [state.current] if state.next_half is None else [state.current, state.next_half, state.previous_half]
         record = self.state[(layer, state_kind)][request]
         if end - start == 1:  # keep the record one token back (see save_record)

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
-from .compressor import Compressor
+from ..kernels.kv_format import RowFormat
+from .compressor import Compressor, CompressorState
 from .indexer import Indexer
 from .kernel_calls import attend_visible
 from .linears import Layers, WholeLayers
@@ -72,6 +73,8 @@ class Attention(nn.Module):
         length = x.shape[0]
         positions = torch.arange(start, start + length, device=x.device)
         q_residual, q, kv, cos, sin = self.project(x, positions)
+        if state.stored_as is not None:
+            kv = state.stored_as.entries.round_trip(kv)
 
         keys = torch.cat([state.window, kv])
         key_positions = torch.arange(start - state.window.shape[0], start + length, device=x.device)
@@ -107,7 +110,9 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance the compressors; return the entries and which of them each query reads."""
         assert self.compressor is not None and state.compressor is not None
-        self.compressor.advance(x, start, state.compressor)
+        formats = state.stored_as
+        appended = self.compressor.advance(x, start, state.compressor)
+        _read_as_stored(state.compressor, appended, formats.entries if formats is not None else None)
         entries = state.compressor.entries
         ratio = self.compressor.ratio
         # An entry is readable once its whole block is in: (block + 1) * ratio <= position + 1.
@@ -115,7 +120,8 @@ class Attention(nn.Module):
         visible = torch.arange(entries.shape[0], device=x.device)[None, :] < complete_blocks[:, None]
         if self.indexer is not None:
             assert state.indexer is not None
-            self.indexer.compressor.advance(x, start, state.indexer)
+            appended = self.indexer.compressor.advance(x, start, state.indexer)
+            _read_as_stored(state.indexer, appended, formats.indexer_keys if formats is not None else None)
             visible = self.indexer.select(x, q_residual, positions, state.indexer, visible)
         return entries, visible
 
@@ -134,3 +140,9 @@ class Attention(nn.Module):
         weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         mixed = torch.einsum("lgi,gri->lgr", grouped, weight)
         return self.wo_b(mixed.reshape(length, -1))
+
+
+def _read_as_stored(state: CompressorState, appended: int, row_format: RowFormat | None) -> None:
+    """The ``appended`` entries a forward added, as the pool stores them (``row_format``; None: as computed)."""
+    if row_format is not None and appended:
+        state.entries = torch.cat([state.entries[:-appended], row_format.round_trip(state.entries[-appended:])])

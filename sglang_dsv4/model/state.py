@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import DeepseekV4Config
+from ..kernels.kv_format import PoolFormats
 from .compressor import CompressorState
 
 
@@ -28,12 +29,16 @@ class LayerState:
     # The raw KV of the tokens the last forward added (the pool stores every one of them;
     # the window keeps only the last ``sliding_window``).
     added: torch.Tensor | None = None
+    # How a pool stores this state's rows: a forward then attends its new rows as stored, as a later
+    # forward reading them from the pool will (None: as computed, the network on its own).
+    stored_as: PoolFormats | None = None
 
     def clone(self) -> LayerState:
         return LayerState(
             self.window.clone(),
             self.compressor.clone() if self.compressor is not None else None,
             self.indexer.clone() if self.indexer is not None else None,
+            stored_as=self.stored_as,
         )
 
     def compressors(self) -> list[CompressorState]:

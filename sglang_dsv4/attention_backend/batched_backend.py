@@ -50,7 +50,7 @@ class BatchedBackend(V4PoolBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows decode position 0 of request row 0, SGLang's padding row: every row they write is a
         padding row."""
-        return 1
+        return self.get_cpu_graph_seq_len_fill_value()
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         pool = self.token_to_kv_pool

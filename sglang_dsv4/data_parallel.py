@@ -54,8 +54,8 @@ def check_attention_data_parallel(view: Any) -> None:
         "--moe-dp-size": view.moe_dp_size != 1,
         "--moe-a2a-backend": view.moe_a2a_backend != "none",
     }
-    for flag, set_ in refused.items():
-        if set_:
+    for flag, is_set in refused.items():
+        if is_set:
             raise ConfigError(
                 f"{flag} with --attn-dp-size {view.attn_dp_size}: DeepSeek-V4 under attention data parallelism is "
                 f"served with the MoE over every DP rank's gathered rows only; leave {flag} at its default"

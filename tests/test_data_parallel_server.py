@@ -9,6 +9,7 @@ before the DP server starts (one server at a time): every figure it gives is rec
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -103,9 +104,21 @@ def test_one_rank_serves_while_the_other_idles(dp2, expected):
         _assert_same(served, expected["prompts"][length], f"{length} tokens on rank 0, rank 1 idle")
 
 
+def _wait_until_running(url: str) -> None:
+    """Until a request of the server is in its running batch (prefilled, so decoding next)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        loads = requests.get(f"{url}/v1/loads", timeout=30).json()["loads"]
+        if sum(load["num_running_reqs"] for load in loads):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the request never started running")
+
+
 def test_one_rank_extends_while_the_other_decodes(dp2, expected):
     with ThreadPoolExecutor(2) as pool:
         decoding = pool.submit(_generate, dp2, PROMPTS[5], LONG_DECODE, 1)
+        _wait_until_running(dp2)
         extending = pool.submit(_generate, dp2, PROMPTS[700], NEW_TOKENS, 0)
         _assert_same(extending.result(), expected["prompts"][700], "700-token prefill on rank 0")
         _assert_same(decoding.result(), expected["long decode"], "decode on rank 1")
@@ -147,3 +160,19 @@ def test_an_attention_group_that_does_not_divide_the_output_groups_stops_the_lau
     assert launched.returncode != 0
     output = launched.stdout + launched.stderr
     assert "ConfigError: 'o_groups' (1) is not divisible by attention-TP = tp / attn-dp-size = 4 / 2 = 2" in output
+
+
+@pytest.mark.parametrize(
+    ("flag", "setting"), [("--attn-cp-size", {"attn_cp_size": 2}), ("--moe-dp-size", {"moe_dp_size": 2}),
+                          ("--moe-a2a-backend", {"moe_a2a_backend": "deepep"})],
+)  # fmt: skip
+def test_attention_dp_with_what_the_model_does_not_serve_is_refused_naming_the_flag(flag, setting):
+    from types import SimpleNamespace
+
+    from sglang_dsv4.config import ConfigError
+    from sglang_dsv4.data_parallel import check_attention_data_parallel
+
+    served = {"attn_dp_size": 2, "attn_cp_size": 1, "moe_dp_size": 1, "moe_a2a_backend": "none"}
+    check_attention_data_parallel(SimpleNamespace(**served))
+    with pytest.raises(ConfigError, match=rf"^{flag} with --attn-dp-size 2: .* leave {flag} at its default"):
+        check_attention_data_parallel(SimpleNamespace(**{**served, **setting}))

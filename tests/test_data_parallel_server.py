@@ -1,4 +1,5 @@
-"""``--tp 2 --attn-dp-size 2 --ep-size 2`` on the CPU (gloo; attention-TP 1) against one process.
+"""``--tp 2 --attn-dp-size 2 --ep-size 2`` on the CPU (gloo; attention-TP 1), on both attention backends,
+against one process.
 
 Each DP rank has its own scheduler, requests, pools and prefix tree; the MoE runs over both
 ranks' rows (SGLang's DP-attention gather) with the experts split by EP. Requests are pinned to
@@ -81,11 +82,13 @@ def expected(tiny_path, log_dir) -> dict:
         }
 
 
-@pytest.fixture(scope="module")
-def dp2(tiny_path, log_dir, expected):
+@pytest.fixture(scope="module", params=["dsv4_batched", "dsv4_torch"])
+def dp2(request, tiny_path, log_dir, expected):
+    """The DP server on each attention backend in turn (idle ranks and padded rows go through both)."""
     os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     args = ("--dtype", "float32", "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")
-    with running_server(tiny_path, *args, log_path=log_dir / "dp2-server.log") as url:
+    log_path = log_dir / f"dp2-{request.param}-server.log"
+    with running_server(tiny_path, *args, "--attention-backend", request.param, log_path=log_path) as url:
         yield url
 
 

@@ -255,20 +255,28 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
     )
 
 
-def check_tensor_parallel(config: DeepseekV4Config, tp_size: int) -> None:
-    """Refuse a tensor-parallel size that does not divide what it splits: V4 is never padded.
+def check_tensor_parallel(config: DeepseekV4Config, tp_size: int, attn_dp_size: int = 1) -> None:
+    """Refuse a parallel layout that does not divide what it splits: V4 is never padded.
 
-    Query heads and output-projection groups are split over the ranks; the experts'
-    intermediate dimension too, in whole quantization blocks when the checkpoint is
-    block-quantized (``quantization_config.weight_block_size``).
+    Query heads and output-projection groups are split over the attention-TP group
+    (``tp_size / attn_dp_size`` ranks, SGLang's ``--attn-dp-size``; the whole TP group without
+    attention DP); the experts' intermediate dimension over the whole TP group (the shared
+    expert runs there, the routed experts on its MoE-TP part), in whole quantization blocks
+    when the checkpoint is block-quantized (``quantization_config.weight_block_size``).
     """
     if tp_size < 1:
         raise ConfigError(f"the tensor-parallel size must be >= 1, got {tp_size}")
+    if attn_dp_size < 1 or tp_size % attn_dp_size:
+        raise ConfigError(f"--attn-dp-size ({attn_dp_size}) must divide --tp ({tp_size}), both at least 1")
+    attention_tp = tp_size // attn_dp_size
     per_rank = f"tp = {tp_size}"
+    per_attention_rank = per_rank
+    if attn_dp_size > 1:
+        per_attention_rank = f"attention-TP = tp / attn-dp-size = {tp_size} / {attn_dp_size} = {attention_tp}"
     per_block = f"tp x weight block = {tp_size} x {config.weight_block} = {tp_size * (config.weight_block or 1)}"
     splits = (
-        ("num_attention_heads", config.num_heads, tp_size, per_rank),
-        ("o_groups", config.o_groups, tp_size, per_rank),
+        ("num_attention_heads", config.num_heads, attention_tp, per_attention_rank),
+        ("o_groups", config.o_groups, attention_tp, per_attention_rank),
         (
             "moe_intermediate_size",
             config.moe_intermediate_size,
@@ -279,8 +287,8 @@ def check_tensor_parallel(config: DeepseekV4Config, tp_size: int) -> None:
     for key, value, divisor, divisor_name in splits:
         if value % divisor:
             raise ConfigError(
-                f"{key!r} ({value}) is not divisible by {divisor_name}: DeepSeek-V4 splits it over the "
-                "tensor-parallel ranks and never pads it; choose a --tp that divides it"
+                f"{key!r} ({value}) is not divisible by {divisor_name}: DeepSeek-V4 splits it over those "
+                "ranks and never pads it; choose a --tp (or --attn-dp-size) that divides it"
             )
 
 

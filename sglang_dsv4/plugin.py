@@ -19,6 +19,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .config import check_tensor_parallel
+from .data_parallel import DATA_PARALLEL_HOOKS, check_attention_data_parallel, register_data_parallel_hooks
 from .platform import bind_rank_threads
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
@@ -59,6 +60,7 @@ REQUIRED_HOOKS = (
     *ADMISSION_HOOKS,
     _FP8_METHOD_CHOICE,
     _FP8_ACTIVATION_DTYPES,
+    *DATA_PARALLEL_HOOKS,
 )
 
 
@@ -79,6 +81,7 @@ def register() -> None:
     HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
     HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
     _register_quantization_hooks()
+    register_data_parallel_hooks()
     register_serving_hooks()
     _register_prefix_cache()
 
@@ -143,13 +146,17 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     ours), token-granular pages, one token pool (the prefix cache is ours too:
     :func:`_register_prefix_cache`).
 
-    Called in the launcher before any scheduler starts: a config this plugin cannot serve, or a
-    ``--tp`` that does not divide it, stops the launcher here with the :class:`ConfigError` naming the key.
+    Called in the launcher before any scheduler starts (after SGLang rewrote ``--dp-size D
+    --enable-dp-attention`` to ``--attn-dp-size D``): a config this plugin cannot serve, or a
+    ``--tp`` / ``--attn-dp-size`` that does not divide it, stops the launcher here with the
+    :class:`ConfigError` naming the key.
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
     require_hooks_applied()
-    check_tensor_parallel(served_config(hf_config), resolving_view(server_args).tp_size)
+    view = resolving_view(server_args)
+    check_tensor_parallel(served_config(hf_config), view.tp_size, view.attn_dp_size)
+    check_attention_data_parallel(view)
     backends = list(_attention_backends())
     requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
     backend = requested if requested in backends else backends[0]
@@ -272,6 +279,9 @@ def _report_pool_usage(result, controller, recv_req) -> None:
     pool = allocator.get_kvcache()
     if not isinstance(pool, V4KVPool):
         return
+    from sglang.srt.runtime_context import get_parallel
+
+    result.internal_state["attn_dp_rank"] = get_parallel().attn_dp_rank
     result.internal_state["dsv4_pools"] = {
         "token_slots": {
             "total": scheduler.max_total_num_tokens,
@@ -285,21 +295,24 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         **pool.storage.usage(),
         "allocated_bytes": pool.storage.allocated_bytes,
     }
-    resident = _over_tensor_parallel_ranks(_resident_bytes(scheduler.tp_worker.model_runner.model))
+    resident = _over_request_group(_resident_bytes(scheduler.tp_worker.model_runner.model))
     result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}
     if hasattr(scheduler.tree_cache, "modes"):
         tree = scheduler.tree_cache
-        digests = _over_tensor_parallel_ranks(tree.digest())
+        digests = _over_request_group(tree.digest())
         report = {**tree.modes(), **tree.checkpoint_report(), "rows_miscounted": tree.audit()}
         report["tp_digest_mismatches"] = sum(digest != digests[0] for digest in digests)
         result.internal_state["dsv4_prefix_cache"] = report
 
 
-def _over_tensor_parallel_ranks(value: Any) -> list[Any]:
-    """``value`` from every rank of the TP group, in rank order (every rank runs this request's hooks)."""
-    from sglang.srt.distributed.parallel_state import get_tp_group
+def _over_request_group(value: Any) -> list[Any]:
+    """``value`` from every rank that holds this rank's requests, in rank order: the TP group, or under
+    attention DP this DP rank's attention-TP group (every rank of it runs this request's hooks)."""
+    from sglang.srt.layers.dp_attention import get_dp_tp_group
 
-    group = get_tp_group()
+    group = get_dp_tp_group()
+    if group is None or group.world_size == 1:
+        return [value]
     values = [None] * group.world_size
     torch.distributed.all_gather_object(values, value, group=group.cpu_group)
     return values

@@ -26,34 +26,41 @@ def assert_healthy(url: str) -> None:
 
 
 def wait_until_idle(url: str) -> dict:
-    """SGLang's own load report once no request runs or waits and no token slot is in use.
+    """SGLang's own load report once no request runs or waits and no token slot is in use (summed over
+    the DP ranks of an attention-DP server).
 
     ``num_used_tokens`` is SGLang's count of slots neither free nor evictable by the prefix
     tree, so it reaches 0 when idle whether or not a radix cache keeps finished prefixes.
     """
     deadline = time.monotonic() + IDLE_TIMEOUT_S
+    counts = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
     while True:
-        load = requests.get(f"{url}/v1/loads", timeout=30).json()["loads"][0]
-        idle = load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
-        if (idle and load["num_used_tokens"] == 0) or time.monotonic() > deadline:
+        loads = requests.get(f"{url}/v1/loads", timeout=30).json()["loads"]
+        load = {count: sum(rank[count] for rank in loads) for count in counts}
+        if not any(load.values()) or time.monotonic() > deadline:
             return load
         time.sleep(0.5)
 
 
 def assert_pools_idle(url: str) -> None:
-    """Idle: free + evictable equals the total (SGLang's report and ours); flushed: every pool row is free."""
+    """Idle: free + evictable equals the total (SGLang's report and ours); flushed: every pool row is free,
+    on every DP rank."""
     load = wait_until_idle(url)
     assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"]) == (0, 0, 0), load
-    slots = pool_usage(url)["token_slots"]
-    assert slots["free"] + slots["evictable"] == slots["total"], slots
+    for usage in pool_usages(url):
+        slots = usage["token_slots"]
+        assert slots["free"] + slots["evictable"] == slots["total"], slots
     flushed = requests.post(f"{url}/flush_cache", timeout=60)
     assert flushed.status_code == 200, flushed.text
-    for name, counts in _pool_counts(pool_usage(url)):
-        assert counts["free"] + counts.get("evictable", 0) == counts["total"], (name, counts)
+    for rank, usage in enumerate(pool_usages(url)):
+        for name, counts in _pool_counts(usage):
+            assert counts["free"] + counts.get("evictable", 0) == counts["total"], (rank, name, counts)
 
 
-def pool_usage(url: str) -> dict:
-    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_pools"]
+def pool_usages(url: str) -> list[dict]:
+    """The V4 pools' report of each DP rank (one entry without attention DP)."""
+    states = requests.get(f"{url}/server_info", timeout=30).json()["internal_states"]
+    return [state["dsv4_pools"] for state in states]
 
 
 def _pool_counts(report: dict, prefix: str = "") -> list[tuple[str, dict]]:

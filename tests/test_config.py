@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sglang_dsv4 import ConfigError, load_config, parse_config
+from sglang_dsv4.config import check_tensor_parallel
 from sglang_dsv4.tiny import TINY_CONFIG
 
 
@@ -149,3 +150,24 @@ def test_shipped_flash_config_is_v4_flash():
     assert (flash.hidden_size, flash.num_heads, flash.head_dim, flash.index_topk) == (4096, 64, 512, 512)
     with pytest.raises(ConfigError, match="no shipped config 'ultra'"):
         named_config("ultra")
+
+
+def test_attention_data_parallelism_divides_only_the_attention_dimensions_by_the_attention_tp_size():
+    # One output group (odd): attention-TP 1 keeps it whole, TP 2 without attention DP would split it.
+    config = parse_config({**TINY_CONFIG, "o_groups": 1})
+    check_tensor_parallel(config, 2, attn_dp_size=2)
+    with pytest.raises(ConfigError, match=r"'o_groups' \(1\) is not divisible by tp = 2"):
+        check_tensor_parallel(config, 2)
+    with pytest.raises(
+        ConfigError, match=r"'o_groups' \(1\) is not divisible by attention-TP = tp / attn-dp-size = 4 / 2 = 2"
+    ):
+        check_tensor_parallel(config, 4, attn_dp_size=2)
+    # The experts' intermediate dimension stays on the whole TP group (the shared expert runs there).
+    uneven = parse_config({**TINY_CONFIG, "moe_intermediate_size": 6})
+    with pytest.raises(ConfigError, match=r"'moe_intermediate_size' \(6\) is not divisible by tp = 4"):
+        check_tensor_parallel(uneven, 4, attn_dp_size=4)
+
+
+def test_an_attention_dp_size_that_does_not_divide_tp_is_refused():
+    with pytest.raises(ConfigError, match=r"--attn-dp-size \(3\) must divide --tp \(4\)"):
+        check_tensor_parallel(parse_config(TINY_CONFIG), 4, attn_dp_size=3)

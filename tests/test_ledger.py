@@ -11,7 +11,14 @@ import torch
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import ConfigError, named_config
 from sglang_dsv4.kv_cache import V4KVPool
-from sglang_dsv4.memory_pool.ledger import KV_DTYPES, MTP_PART, KVLedger, RankLedger, resolve_config
+from sglang_dsv4.memory_pool.ledger import (
+    DEFAULT_MEM_FRACTION_STATIC,
+    KV_DTYPES,
+    MTP_PART,
+    KVLedger,
+    RankLedger,
+    resolve_config,
+)
 from sglang_dsv4.model.weight_layout import Parallelism, checkpoint_tensors
 
 MiB, GiB = 2**20, 2**30
@@ -140,13 +147,70 @@ def test_unknown_config_is_refused_naming_the_shipped_ones(tmp_path):
         resolve_config(str(tmp_path / "missing"))
 
 
-def test_dsv4_ledger_prints_each_gpus_weights_and_the_sessions_its_pools_hold(capsys):
+def per_gpu_cells(output: str, heading: str) -> dict[str, str]:
+    """Row label -> figure of the printed per-GPU table that starts with ``heading``."""
+    table = output[output.index(heading) :].splitlines()[1:]
+    return dict(re.split(r"\s{2,}", line.strip()) for line in table if re.search(r"\S\s{2,}\S", line))
+
+
+def test_dsv4_ledger_says_the_tp_group_shares_its_sessions_without_attention_dp(capsys):
     dsv4(["ledger", "--config", "flash", "--tp", "8", "--ep", "8", "--context", "27000"])
     output = capsys.readouterr().out
-    per_gpu = output[output.index("per GPU: tp 8, ep 8 (32 expert slots of 256 per MoE layer)") :]
-    cells = dict(re.split(r"\s{2,}", line.strip()) for line in per_gpu.splitlines()[1:])
+    cells = per_gpu_cells(output, "per GPU: tp 8, attention DP 1 (attention-TP 8), ep 8 (32 expert slots of 256")
     assert cells["weights on one GPU"].endswith("GiB") and float(cells["weights on one GPU"].split()[0]) < 25
-    assert int(cells["concurrent 27,000-token sessions"].replace(",", "")) > 100
+    pooled = int(cells["27,000-token sessions in one GPU's pools"].replace(",", ""))
+    assert pooled > 100
+    # Every GPU of the TP group holds the same sessions: a node of 8 holds one GPU's pools' worth.
+    assert float(cells["distinct per GPU (/ attention-TP 8)"]) == pytest.approx(pooled / 8, abs=0.05)
+    assert int(cells["distinct per node of 8 GPUs"].replace(",", "")) == pooled
+    assert "the 8 GPUs of the TP group share their sessions" in output
+
+
+def test_dsv4_ledger_counts_each_attention_dp_ranks_own_sessions(capsys):
+    dsv4(["ledger", "--config", "flash", "--tp", "8", "--attn-dp-size", "8", "--ep", "8", "--context", "27000"])
+    output = capsys.readouterr().out
+    cells = per_gpu_cells(output, "per GPU: tp 8, attention DP 8 (attention-TP 1), ep 8")
+    pooled = int(cells["27,000-token sessions in one GPU's pools"].replace(",", ""))
+    assert cells["distinct per GPU (/ attention-TP 1)"] == f"{pooled:,}"
+    assert int(cells["distinct per node of 8 GPUs"].replace(",", "")) == 8 * pooled
+    assert "each attention-TP group of 1 GPU(s) holds its own sessions" in output
+
+
+def test_attention_dp_ranks_hold_whole_attention_and_embedding_and_a_tp_share_of_the_rest():
+    config = named_config("flash")
+    one_gpu = RankLedger(config, Parallelism(), quantized=True).weight_bytes()
+    tp_only = RankLedger(config, Parallelism(tp=8, ep=8), quantized=True).weight_bytes()
+    dp = RankLedger(config, Parallelism(tp=8, ep=8, attn_dp=8), quantized=True).weight_bytes()
+    assert dp["attention"] == one_gpu["attention"] > tp_only["attention"]
+    assert dp["embedding"] == one_gpu["embedding"]
+    for part in ("head", "routed experts", "shared expert, routers, norms, mHC"):
+        assert dp[part] == tp_only[part], part
+    # Attention-TP 2 (four DP groups): between the two.
+    four_groups = RankLedger(config, Parallelism(tp=8, ep=8, attn_dp=4), quantized=True).weight_bytes()
+    assert tp_only["attention"] < four_groups["attention"] < dp["attention"]
+
+
+def test_a_layout_whose_weights_exceed_the_static_share_is_reported_with_the_attention_tp_sizes_that_fit(capsys):
+    pro_dp8 = RankLedger(named_config("pro"), Parallelism(tp=8, ep=8, attn_dp=8), quantized=True)
+    assert not pro_dp8.fits(DEFAULT_MEM_FRACTION_STATIC)
+    fitting = pro_dp8.fitting_attention_tp_sizes(DEFAULT_MEM_FRACTION_STATIC)
+    assert fitting and 1 not in fitting and 8 in fitting
+    for attention_tp in fitting:
+        layout = Parallelism(tp=8, ep=8, attn_dp=8 // attention_tp)
+        assert RankLedger(named_config("pro"), layout, quantized=True).fits(DEFAULT_MEM_FRACTION_STATIC)
+    dsv4(["ledger", "--config", "pro", "--tp", "8", "--attn-dp-size", "8", "--ep", "8", "--context", "27000"])
+    output = capsys.readouterr().out
+    cells = per_gpu_cells(output, "per GPU: tp 8, attention DP 8")
+    assert cells["left for the KV pools"] == "none: does not fit"
+    assert cells["27,000-token sessions in one GPU's pools"] == "0"
+    sizes = ", ".join(f"{size} (--attn-dp-size {8 // size})" for size in fitting)
+    assert re.search(r"does not fit: the weights \(.* GiB\) exceed the static share \(119 GiB\); "
+                     rf"attention-TP sizes that fit: {re.escape(sizes)}$", output.strip())  # fmt: skip
+
+
+def test_dsv4_ledger_refuses_an_attention_dp_size_that_does_not_divide_tp():
+    with pytest.raises(SystemExit, match=r"--attn-dp-size \(3\) must divide --tp \(8\)"):
+        dsv4(["ledger", "--config", "flash", "--tp", "8", "--attn-dp-size", "3"])
 
 
 def test_dsv4_ledger_refuses_an_expert_parallel_size_that_does_not_divide_tp():

@@ -68,6 +68,21 @@ def test_tensor_parallel_ranks_split_heads_and_vocabulary_and_replicate_the_kv_h
     assert specs["layers.2.ffn.experts.0.w1.weight"].local_shape(Parallelism(tp=8)) == (2048 // 8, 4096)
 
 
+def test_attention_data_parallel_ranks_split_heads_over_their_attention_group_only():
+    specs = {spec.name: spec for spec in checkpoint_tensors(named_config("flash"), quantized=True)}
+    two_groups = Parallelism(tp=8, ep=8, attn_dp=2)  # attention-TP 4
+    assert specs["layers.2.attn.wq_b.weight"].local_shape(two_groups) == (64 * 512 // 4, 1024)
+    assert specs["layers.2.attn.wo_b.weight"].local_shape(two_groups) == (4096, 8 * 1024 // 4)
+    assert specs["layers.2.attn.attn_sink"].local_shape(two_groups) == (1, 64 // 4)
+    # The shared expert and the head stay on the whole TP group; the embedding is whole per DP rank.
+    assert specs["layers.2.ffn.shared_experts.w1.weight"].local_shape(two_groups) == (2048 // 8, 4096)
+    assert specs["head.weight"].local_shape(two_groups) == (129280 // 8, 4096)
+    assert specs["embed.weight"].local_shape(two_groups) == (129280, 4096)
+    assert specs["embed.weight"].local_shape(Parallelism(tp=8, ep=8)) == (129280 // 8, 4096)
+    with pytest.raises(ValueError, match=r"--attn-dp-size \(3\) must divide --tp \(8\)"):
+        Parallelism(tp=8, attn_dp=3)
+
+
 def test_a_dimension_that_does_not_divide_over_the_ranks_is_refused_naming_the_key_or_tensor():
     config = parse_config({**TINY_CONFIG, "num_attention_heads": 6, "o_groups": 3})
     with pytest.raises(ConfigError, match=r"'num_attention_heads' \(6\) is not divisible by tp = 4"):
@@ -94,7 +109,7 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_all_of_the_re
     one = RankLedger(config, Parallelism(), quantized=True).weight_bytes()
     eight = RankLedger(config, Parallelism(tp=8, ep=8), quantized=True).weight_bytes()
     assert eight["routed experts"] == round(one["routed experts"] / 8)
-    assert eight["embedding, head"] == round(one["embedding, head"] / 8)
+    assert eight["embedding"] == round(one["embedding"] / 8) and eight["head"] == round(one["head"] / 8)
     redundant = RankLedger(config, Parallelism(tp=8, ep=8), quantized=True, redundant_experts=32).weight_bytes()
     assert redundant["routed experts"] == round(one["routed experts"] * 288 / 256 / 8)
 

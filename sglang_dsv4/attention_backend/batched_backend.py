@@ -50,7 +50,7 @@ class BatchedBackend(V4PoolBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows decode position 0 of request row 0, SGLang's padding row: every row they write is a
         padding row."""
-        return 1
+        return self.get_cpu_graph_seq_len_fill_value()
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         pool = self.token_to_kv_pool
@@ -66,11 +66,14 @@ class BatchedBackend(V4PoolBackend):
         return self.graph_index
 
     def attend(self, attention: Attention, layer: int, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``."""
-        if self.index is None:
-            raise RuntimeError(f"{NAME}: attend before init_forward_metadata")
+        """Attention output ``[tokens, hidden]`` of the batch's new tokens ``x [tokens, hidden]``.
+
+        An idle DP rank's forward of no rows comes without ``init_forward_metadata``: it reads and writes nothing.
+        """
         if x.shape[0] == 0:
             return torch.empty_like(x)
+        if self.index is None:
+            raise RuntimeError(f"{NAME}: attend before init_forward_metadata")
         return attention.project_out(batched.attend(attention, layer, x, self.index, self.token_to_kv_pool.storage))
 
 

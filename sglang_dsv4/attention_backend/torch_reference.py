@@ -52,9 +52,13 @@ class TorchReferenceBackend(V4PoolBackend):
 
         A request's tokens run in pieces that end at its checkpoint positions, whose state
         records are copied as the layer passes them (the network is exact under chunking).
+        An idle DP rank's forward of no rows comes without ``init_forward_metadata`` (the plan
+        is the previous forward's): it reads and writes nothing.
         """
-        storage = self.token_to_kv_pool.storage
         out = torch.empty_like(x)
+        if x.shape[0] == 0:
+            return out
+        storage = self.token_to_kv_pool.storage
         for span, pieces in zip(self.spans, self.pieces, strict=True):
             state = storage.load(layer, span.request, span.start, x.dtype)
             start = span.start

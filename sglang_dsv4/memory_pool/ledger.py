@@ -15,11 +15,14 @@ Two layouts side by side, for any V4 config:
 A third table, per GPU (:class:`RankLedger`): the weights each of ``tp`` ranks keeps
 resident, read from :mod:`sglang_dsv4.model.weight_layout` (release formats and splits),
 what ``--mem-fraction-static`` of an H200 leaves for the pools, and how many sessions of a
-given length fit there. The KV pools are whole on every rank (one KV head, replicated as
-MLA's latent is), so KV bytes per token are per GPU.
+given length fit there. The KV pools are whole on every rank of an attention-TP group (one
+KV head, replicated as MLA's latent is): its ``tp / attn_dp`` GPUs hold the *same*
+sessions, so a GPU's distinct sessions are its pools' sessions over the attention-TP size.
+Without attention DP that group is the whole TP group; with ``--attn-dp-size D`` each of
+the D groups holds its own sessions.
 
-``dsv4 ledger --config {flash,pro,PATH} [--tp N --ep M --quantization fp8|none]`` prints
-the tables (:func:`run`).
+``dsv4 ledger --config {flash,pro,PATH} [--tp N --attn-dp-size D --ep M --quantization fp8|none]``
+prints the tables (:func:`run`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ DEFAULT_CONTEXTS = (131072, 1048576)
 # What nvidia-smi reports for one H200 (its datasheet's "141 GB").
 H200_BYTES = 143771 * 2**20
 DEFAULT_MEM_FRACTION_STATIC = 0.85
+GPUS_PER_NODE = 8  # an H200 node
 # --quantization: the release checkpoints' formats (FP8 dense, FP4 experts), or none (model dtype).
 QUANTIZATIONS = {"fp8": True, "none": False}
 
@@ -205,16 +209,11 @@ class RankLedger:
         return slots // self.parallel.ep
 
     def weight_bytes(self) -> dict[str, int]:
-        """Resident weight bytes on one rank: routed experts, the rest of the layers, embedding and head."""
-        check_tensor_parallel(self.config, self.parallel.tp)
+        """Resident weight bytes on one rank, by part (:data:`WEIGHT_PARTS`)."""
+        check_tensor_parallel(self.config, self.parallel.tp, self.parallel.attn_dp)
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         share = self.experts_per_rank / self.config.n_routed_experts  # exact: experts are equal in size
-        parts = {
-            "routed experts": 0.0,
-            "layers (attention, shared expert, router, mHC)": 0.0,
-            "embedding, head": 0.0,
-            MTP_PART: 0.0,
-        }
+        parts = dict.fromkeys(WEIGHT_PARTS, 0.0)
         for spec in checkpoint_tensors(self.config, quantized=self.quantized):
             size = spec.bytes_on_rank(self.parallel, dtype_bytes)
             parts[_weight_part(spec)] += size * share if spec.expert else size
@@ -224,9 +223,34 @@ class RankLedger:
     def kv(self) -> PoolLayout:
         return PoolLayout(self.config, self.kv_dtype)
 
+    def static_bytes(self, mem_fraction_static: float) -> float:
+        """SGLang's static share of an H200: the weights and the pools."""
+        return mem_fraction_static * H200_BYTES
+
     def pool_bytes(self, mem_fraction_static: float) -> float:
         """What SGLang's static share of an H200 leaves for the pools once the weights are in."""
-        return mem_fraction_static * H200_BYTES - sum(self.weight_bytes().values())
+        return self.static_bytes(mem_fraction_static) - sum(self.weight_bytes().values())
+
+    def fits(self, mem_fraction_static: float) -> bool:
+        """Whether the weights leave room for the pools in the static share."""
+        return self.pool_bytes(mem_fraction_static) > 0
+
+    def fitting_attention_tp_sizes(self, mem_fraction_static: float) -> list[int]:
+        """The attention-TP sizes (divisors of ``tp``, smallest first) whose weights fit, the rest as here."""
+        parallel, sizes = self.parallel, []
+        for attention_tp in range(1, parallel.tp + 1):
+            if parallel.tp % attention_tp:
+                continue
+            layout = Parallelism(parallel.tp, parallel.ep, parallel.tp // attention_tp)
+            candidate = RankLedger(
+                self.config, layout, self.quantized, self.dtype, self.kv_dtype, self.redundant_experts
+            )
+            try:
+                if candidate.fits(mem_fraction_static):
+                    sizes.append(attention_tp)
+            except ValueError:  # heads or output groups that do not divide (ConfigError is one)
+                continue
+        return sizes
 
     @property
     def device_table_bytes(self) -> int:
@@ -238,38 +262,89 @@ class RankLedger:
         and its row's request tables."""
         return self.kv.bytes_per_token * context + self.kv.bytes_per_request + self.device_table_bytes
 
+    def pool_sessions(self, mem_fraction_static: float, context: int) -> int:
+        """Sessions of ``context`` tokens one GPU's pools hold (the same on every GPU of its attention-TP group)."""
+        return max(0, math.floor(self.pool_bytes(mem_fraction_static) / self.session_bytes(context)))
+
+    def distinct_sessions_per_gpu(self, mem_fraction_static: float, context: int) -> float:
+        """Sessions per GPU that no other GPU also holds: the pools' sessions over the attention-TP size."""
+        return self.pool_sessions(mem_fraction_static, context) / self.parallel.attention_tp
+
+    def distinct_sessions_per_node(self, mem_fraction_static: float, context: int) -> int:
+        """Distinct sessions on a node of :data:`GPUS_PER_NODE` GPUs."""
+        return self.pool_sessions(mem_fraction_static, context) * GPUS_PER_NODE // self.parallel.attention_tp
+
     def table(self, mem_fraction_static: float, contexts: Sequence[int], title: str) -> str:
         weights = self.weight_bytes()
         pools = self.pool_bytes(mem_fraction_static)
         parallel, kv = self.parallel, self.kv
         formats = "FP8 dense, FP4 experts" if self.quantized else f"all {_dtype_name(self.dtype)}"
+        attention_tp = parallel.attention_tp
         rows = [
             ("weights on one GPU", _gib(sum(weights.values()))),
-            *((f"  {name}", _gib(size)) for name, size in weights.items()),
+            *((f"  {name} ({_split_of(name, parallel)})", _gib(size)) for name, size in weights.items()),
             (
                 f"static memory ({mem_fraction_static} of an H200's {_gib(H200_BYTES)})",
-                _gib(mem_fraction_static * H200_BYTES),
+                _gib(self.static_bytes(mem_fraction_static)),
             ),
-            ("left for the KV pools", _gib(pools)),
-            (f"KV bytes per token ({_dtype_name(self.kv_dtype)}, whole on every GPU)", f"{kv.bytes_per_token:,.0f} B"),
+            ("left for the KV pools", _gib(pools) if pools > 0 else "none: does not fit"),
+            (
+                f"KV bytes per token ({_dtype_name(self.kv_dtype)}, whole on each GPU of an attention-TP group)",
+                f"{kv.bytes_per_token:,.0f} B",
+            ),
             ("fixed bytes per request (running, with its checkpoints)", _mib(kv.bytes_per_request)),
             (
                 f"request tables per request row ({self.config.max_position_embeddings:,} positions)",
                 _mib(self.device_table_bytes),
             ),
-            *(
-                (
-                    f"concurrent {context:,}-token sessions",
-                    f"{max(0, math.floor(pools / self.session_bytes(context))):,}",
-                )
-                for context in contexts
-            ),
         ]
+        for context in contexts:
+            sessions = self.pool_sessions(mem_fraction_static, context)
+            rows += [
+                (f"{context:,}-token sessions in one GPU's pools", f"{sessions:,}"),
+                (
+                    f"  distinct per GPU (/ attention-TP {attention_tp})",
+                    _sessions(self.distinct_sessions_per_gpu(mem_fraction_static, context)),
+                ),
+                (
+                    f"  distinct per node of {GPUS_PER_NODE} GPUs",
+                    f"{self.distinct_sessions_per_node(mem_fraction_static, context):,}",
+                ),
+            ]
+        if parallel.attn_dp == 1:
+            mode = (
+                f"no attention DP: the {parallel.tp} GPUs of the TP group share their sessions (each holds all of them)"
+            )
+        else:
+            mode = (
+                f"attention DP {parallel.attn_dp}: each attention-TP group of {attention_tp} GPU(s) holds its own"
+                " sessions"
+            )
         heading = (
-            f"{title} per GPU: tp {parallel.tp}, ep {parallel.ep} ({self.experts_per_rank} expert slots of"
-            f" {self.config.n_routed_experts} per MoE layer), weights {formats}"
+            f"{title} per GPU: tp {parallel.tp}, attention DP {parallel.attn_dp} (attention-TP {attention_tp}),"
+            f" ep {parallel.ep} ({self.experts_per_rank} expert slots of {self.config.n_routed_experts} per MoE"
+            f" layer), weights {formats}"
         )
-        return "\n".join([heading, *_aligned(rows)])
+        lines = [heading, *_aligned(rows), mode]
+        if pools <= 0:
+            lines.append(self._not_fitting(mem_fraction_static))
+        return "\n".join(lines)
+
+    def _not_fitting(self, mem_fraction_static: float) -> str:
+        weights = sum(self.weight_bytes().values())
+        sizes = self.fitting_attention_tp_sizes(mem_fraction_static)
+        fitting = (
+            ", ".join(f"{size} (--attn-dp-size {self.parallel.tp // size})" for size in sizes)
+            if sizes
+            else f"none at --tp {self.parallel.tp}"
+        )
+        return (
+            f"does not fit: the weights ({_gib(weights)}) exceed the static share"
+            f" ({_gib(self.static_bytes(mem_fraction_static))}); attention-TP sizes that fit: {fitting}"
+        )
+
+
+WEIGHT_PARTS = ("attention", "shared expert, routers, norms, mHC", "routed experts", "embedding", "head", MTP_PART)
 
 
 def _weight_part(spec: TensorSpec) -> str:
@@ -277,9 +352,30 @@ def _weight_part(spec: TensorSpec) -> str:
         return MTP_PART
     if spec.expert:
         return "routed experts"
-    if spec.name in ("embed.weight", "head.weight"):
-        return "embedding, head"
-    return "layers (attention, shared expert, router, mHC)"
+    if spec.name == "embed.weight":
+        return "embedding"
+    if spec.name == "head.weight":
+        return "head"
+    if spec.name.startswith("layers.") and spec.name.split(".")[2] in ("attn", "attn_norm"):
+        return "attention"
+    return "shared expert, routers, norms, mHC"
+
+
+def _split_of(part: str, parallel: Parallelism) -> str:
+    """How a weight part is divided over the GPUs, as the table prints it."""
+    splits = {
+        "attention": f"heads / attention-TP {parallel.attention_tp}",
+        "shared expert, routers, norms, mHC": f"shared expert / TP {parallel.tp}",
+        "routed experts": f"/ EP {parallel.ep}" + (f", MoE-TP {parallel.moe_tp}" if parallel.moe_tp > 1 else ""),
+        "embedding": "whole" if parallel.attn_dp > 1 else f"/ TP {parallel.tp}",
+        "head": f"/ TP {parallel.tp}",
+        MTP_PART: f"attention / attention-TP {parallel.attention_tp}, experts / EP {parallel.ep}",
+    }
+    return splits[part]
+
+
+def _sessions(count: float) -> str:
+    return f"{count:,.0f}" if count == int(count) else f"{count:,.1f}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -317,6 +413,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="context lengths to total (default: 131072 1048576)",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (SGLang's --tp; default 1)")
+    parser.add_argument(
+        "--attn-dp-size",
+        type=int,
+        default=1,
+        help="attention data-parallel groups (SGLang's --attn-dp-size): each of D groups of tp / D GPUs holds its"
+        " own sessions (default 1: the whole TP group shares them)",
+    )
     parser.add_argument("--ep", type=int, default=1, help="of those, expert-parallel (SGLang's --ep-size; default 1)")
     parser.add_argument(
         "--ep-num-redundant-experts", type=int, default=0, help="redundant expert slots per MoE layer (default 0)"
@@ -345,7 +448,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         rank = RankLedger(
             config,
-            Parallelism(args.tp, args.ep),
+            Parallelism(args.tp, args.ep, args.attn_dp_size),
             QUANTIZATIONS[args.quantization],
             kv_dtype=ledger.kv_dtype,
             redundant_experts=args.ep_num_redundant_experts,

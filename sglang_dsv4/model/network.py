@@ -42,10 +42,11 @@ class Block(nn.Module):
         compress_rotary: Rotary,
         routed_experts: ExpertsFactory,
         layers: Layers,
+        attention_layers: Layers,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer, plain_rotary, compress_rotary, layers)
+        self.attn = Attention(config, layer, plain_rotary, compress_rotary, attention_layers)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = MoE(config, layer, routed_experts(config, layer), layers)
         self.hc_attn = HyperConnection(config)
@@ -181,13 +182,16 @@ def run_blocks(
 class DeepseekV4(nn.Module):
     """The network; ``routed_experts(config, layer)`` builds each layer's routed experts (the torch
     reference's stacked weights unless the SGLang model passes its ``FusedMoE``), ``layers`` its
-    projections, embedding and head (whole, unless the SGLang model passes its parallel layers)."""
+    projections, embedding and head (whole, unless the SGLang model passes its parallel layers), and
+    ``attention_layers`` the attention's projections (``layers`` unless attention runs on a group of
+    its own: the attention-TP group under attention data parallelism)."""
 
     def __init__(
         self,
         config: DeepseekV4Config,
         routed_experts: ExpertsFactory = lambda config, layer: RoutedExperts(config),
         layers: Layers = WholeLayers(),
+        attention_layers: Layers | None = None,
     ):
         super().__init__()
         self.config = config
@@ -195,7 +199,8 @@ class DeepseekV4(nn.Module):
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
         self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
         self.layers = nn.ModuleList(
-            Block(config, i, plain, compress, routed_experts, layers) for i in range(config.num_layers)
+            Block(config, i, plain, compress, routed_experts, layers, attention_layers or layers)
+            for i in range(config.num_layers)
         )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

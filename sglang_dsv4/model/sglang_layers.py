@@ -1,6 +1,8 @@
-"""The network's projections on SGLang's parallel layers, split over SGLang's tensor-parallel group.
+"""The network's projections on SGLang's parallel layers, split over one of SGLang's groups.
 
-Each layer is SGLang's own (its quantization method, its weight loader taking the release
+The attention's projections are split over the attention-TP group (``attn_tp``: the whole TP
+group without attention DP, ``tp / attn_dp_size`` ranks with it), the rest over the TP group
+(``tp``). Each layer is SGLang's own (its quantization method, its weight loader taking the release
 tensor and this rank's shard of it); the subclasses here only return the output tensor
 alone, as :class:`~.linears.Layers` promises, instead of SGLang's ``(output, bias)``.
 """
@@ -8,8 +10,9 @@ alone, as :class:`~.linears.Layers` promises, instead of SGLang's ``(output, bia
 from __future__ import annotations
 
 import torch
-from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from sglang.srt.layers.dp_attention import is_dp_attention_enabled
 from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from torch import nn
 
@@ -30,22 +33,35 @@ class _Row(RowParallelLinear):
 
 
 class SGLangLayers:
-    """:class:`~.linears.Layers` over SGLang's TP group; ``row`` layers leave their sums to the residual."""
+    """:class:`~.linears.Layers` over SGLang's group ``parallel_group`` (``"tp"`` or ``"attn_tp"``);
+    ``row`` layers leave their sums to the residual."""
 
-    def __init__(self, quant_config=None):
+    def __init__(self, quant_config=None, parallel_group: str = "tp"):
         self.quant_config = quant_config
-        self.tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank = get_tensor_model_parallel_rank()
+        self.parallel_group = parallel_group
+        parallel = get_parallel()
+        self.tp_size = getattr(parallel, f"{parallel_group}_size")
+        self.tp_rank = getattr(parallel, f"{parallel_group}_rank")
 
     def replicated(self, inputs: int, outputs: int, name: str) -> nn.Module:
         return _Replicated(inputs, outputs, bias=False, quant_config=self.quant_config, prefix=name)
 
     def column(self, inputs: int, outputs: int, name: str, quantized: bool = True) -> nn.Module:
         quant_config = self.quant_config if quantized else None
-        return _Column(inputs, outputs, bias=False, quant_config=quant_config, prefix=name)
+        return _Column(
+            inputs, outputs, bias=False, quant_config=quant_config, prefix=name, parallel_group=self.parallel_group
+        )
 
     def row(self, inputs: int, outputs: int, name: str) -> nn.Module:
-        return _Row(inputs, outputs, bias=False, reduce_results=False, quant_config=self.quant_config, prefix=name)
+        return _Row(
+            inputs,
+            outputs,
+            bias=False,
+            reduce_results=False,
+            quant_config=self.quant_config,
+            prefix=name,
+            parallel_group=self.parallel_group,
+        )
 
     def sharded(self, size: int) -> nn.Parameter:
         """This rank's ``size / tp`` rows, loaded from the whole checkpoint tensor."""
@@ -60,7 +76,9 @@ class SGLangLayers:
         return param
 
     def embedding(self, vocab: int, hidden: int, name: str) -> nn.Module:
-        return VocabParallelEmbedding(vocab, hidden, prefix=name)
+        """Vocabulary rows over the TP group; whole under attention DP, where each DP rank embeds its own tokens."""
+        return VocabParallelEmbedding(vocab, hidden, prefix=name, enable_tp=not is_dp_attention_enabled())
 
     def head(self, vocab: int, hidden: int, name: str) -> nn.Module:
-        return ParallelLMHead(vocab, hidden, prefix=name)
+        """Vocabulary rows over the TP group (the attention-TP group with SGLang's ``--enable-dp-lm-head``)."""
+        return ParallelLMHead(vocab, hidden, prefix=name, use_attn_tp_group=get_parallel().enable_dp_lm_head)

@@ -6,6 +6,11 @@ each request's state in the V4 pool. Under ``--tp`` the projections, embedding a
 SGLang's parallel layers (:mod:`.sglang_layers`): each rank holds its query heads, output
 groups and vocabulary rows, the pools hold the replicated KV head, and the mHC residual
 streams are sharded by tokens between sublayers (:class:`~.mhc_communicator.TokenShardedResidual`).
+
+Under attention data parallelism (``--attn-dp-size D``) each DP rank has its own requests: the
+embedding is whole, attention and mHC run on the rank's rows over its attention-TP group
+(``tp / D`` ranks), and the MoE over every DP rank's rows (:mod:`.dp_feed_forward`); the head is
+SGLang's, whose logits processor gathers the DP ranks' rows itself.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
+from sglang.srt.layers.dp_attention import get_dp_tp_group, is_dp_attention_enabled
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
@@ -24,6 +29,7 @@ from torch import nn
 from ..moe.fused_moe import FusedRoutedExperts
 from ..served_config import served_config
 from .checkpoint_check import check_checkpoint, shard_files
+from .dp_feed_forward import GatheredFeedForward
 from .loader import load_weights, read_safetensors
 from .mhc_communicator import TokenShardedResidual, TokenShards
 from .network import DeepseekV4, Residual, WholeResidual, run_blocks
@@ -41,12 +47,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.v4_config = served_config(config)
         # Serving drafts nothing yet: the MTP layer's tensors are checked (if the checkpoint has them) and skipped.
+        self.data_parallel = is_dp_attention_enabled()
         self.network = DeepseekV4(
             self.v4_config.without_mtp(),
             routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
             layers=SGLangLayers(quant_config),
+            attention_layers=SGLangLayers(quant_config, "attn_tp" if self.data_parallel else "tp"),
         )
-        self.tp = get_tp_group()
+        # The ranks that hold the same requests: the TP group, or under attention DP the attention-TP group.
+        self.attention_group = get_dp_tp_group()
         self.logits_processor = LogitsProcessor(config)
 
     @torch.no_grad()
@@ -67,24 +76,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         attention_backend = get_attn_backend()
         streams = network.embed(input_ids).unsqueeze(1).expand(-1, self.v4_config.hc_mult, -1).contiguous()
         residual = self._residual(input_ids.shape[0])
+        if self.data_parallel:
+            gathered = GatheredFeedForward(input_ids, forward_batch)
+            feed_forward = lambda layer, block, x: gathered(block.ffn, x)  # noqa: E731
+        else:
+            feed_forward = lambda layer, block, x: block.ffn(x, input_ids)  # noqa: E731
         streams = run_blocks(
             network.layers,
             streams,
             attend=lambda layer, block, x: attention_backend.attend(block.attn, layer, x, forward_batch),
-            feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
+            feed_forward=feed_forward,
             residual=residual,
         )
         hidden = residual.gather(network.norm(network.hc_head(streams)))
         return self.logits_processor(input_ids, hidden, network.head, forward_batch)
 
     def _residual(self, tokens: int) -> Residual:
-        """One process: the whole streams. Under TP: this rank's token shard of them (mHC fused with
-        the communicator, :mod:`.mhc_communicator`)."""
-        if self.tp.world_size == 1:
+        """One rank per request group: the whole streams. Otherwise this rank's token shard of them, within
+        the group holding the same requests (mHC fused with the communicator, :mod:`.mhc_communicator`)."""
+        group = self.attention_group
+        if group is None or group.world_size == 1:
             return WholeResidual()
-        return TokenShardedResidual(
-            TokenShards(tokens, self.tp.world_size, self.tp.rank_in_group), self.tp.device_group
-        )
+        return TokenShardedResidual(TokenShards(tokens, group.world_size, group.rank_in_group), group.device_group)
 
     @classmethod
     def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:

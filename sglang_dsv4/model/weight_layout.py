@@ -10,8 +10,9 @@ tensor is divided over ``tp`` tensor-parallel and ``ep`` expert-parallel ranks:
   as MLA keeps its latent KV (the indexer's heads too: its top-k needs the score summed
   over all of them, and an all-reduce of ``tokens x context/4`` scores per layer would
   cost more than the replicated ``wq_b``);
-* the embedding and the output head by vocabulary rows (padded to whole rows per rank, as
-  SGLang's vocab-parallel layers pad them);
+* the output head by vocabulary rows over all ``tp`` ranks (padded to whole rows per rank, as
+  SGLang's vocab-parallel layers pad them), the embedding too without attention DP and whole
+  on every rank with it (each DP rank embeds its own tokens, as upstream's DeepSeek models do);
 * routed experts whole over the ``ep`` ranks (``n_routed_experts / ep`` each), and inside
   each expert the intermediate dimension over the remaining ``tp / ep`` ranks (SGLang's
   MoE TP); the shared expert's intermediate dimension over all ``tp`` ranks;
@@ -56,8 +57,11 @@ class Split(Enum):
 
     REPLICATED = "whole on every rank"
     VOCABULARY = "vocabulary rows over the tensor-parallel ranks, padded"
+    EMBEDDING = "vocabulary rows over the tensor-parallel ranks, padded; whole on every rank under attention DP"
     ROWS = "rows over the tensor-parallel ranks"
     COLUMNS = "columns over the tensor-parallel ranks"
+    ATTENTION_ROWS = "rows over the attention-TP ranks"
+    ATTENTION_COLUMNS = "columns over the attention-TP ranks"
     EXPERT_ROWS = "whole experts over EP, rows over the MoE-TP ranks"
     EXPERT_COLUMNS = "whole experts over EP, columns over the MoE-TP ranks"
 
@@ -87,12 +91,16 @@ class TensorSpec:
     def local_shape(self, parallel: Parallelism) -> tuple[int, int]:
         """``(rows, columns)`` held by one rank (a 1-D tensor is one row)."""
         rows, columns = (1, self.shape[0]) if len(self.shape) == 1 else self.shape
-        if self.split is Split.VOCABULARY:
+        if self.split is Split.VOCABULARY or (self.split is Split.EMBEDDING and parallel.attn_dp == 1):
             return -(-rows // parallel.tp), columns
         if self.split is Split.ROWS:
             return self._part(rows, parallel.tp), columns
         if self.split is Split.COLUMNS:
             return rows, self._part(columns, parallel.tp)
+        if self.split is Split.ATTENTION_ROWS:
+            return self._part(rows, parallel.attention_tp), columns
+        if self.split is Split.ATTENTION_COLUMNS:
+            return rows, self._part(columns, parallel.attention_tp)
         if self.split is Split.EXPERT_ROWS:
             return self._part(rows, parallel.moe_tp), columns
         if self.split is Split.EXPERT_COLUMNS:
@@ -114,14 +122,23 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """``tp`` tensor-parallel ranks, ``ep`` of which split the routed experts (SGLang's ``--ep-size``)."""
+    """``tp`` tensor-parallel ranks, ``ep`` of which split the routed experts (SGLang's ``--ep-size``),
+    in ``attn_dp`` attention data-parallel groups (SGLang's ``--attn-dp-size``)."""
 
     tp: int = 1
     ep: int = 1
+    attn_dp: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1 or self.tp % self.ep:
             raise ValueError(f"--ep-size ({self.ep}) must divide --tp ({self.tp}), both at least 1")
+        if self.attn_dp < 1 or self.tp % self.attn_dp:
+            raise ValueError(f"--attn-dp-size ({self.attn_dp}) must divide --tp ({self.tp}), both at least 1")
+
+    @property
+    def attention_tp(self) -> int:
+        """Ranks of one attention-TP group: they split the query heads and hold the same requests' KV."""
+        return self.tp // self.attn_dp
 
     @property
     def moe_tp(self) -> int:
@@ -135,7 +152,7 @@ def checkpoint_tensors(config: DeepseekV4Config, *, quantized: bool) -> list[Ten
     dense = Format.FP8 if quantized else Format.MODEL
     experts = Format.FP4 if quantized else Format.MODEL
     hidden, vocab = config.hidden_size, config.vocab_size
-    specs = [TensorSpec("embed.weight", (vocab, hidden), Format.MODEL, Split.VOCABULARY)]
+    specs = [TensorSpec("embed.weight", (vocab, hidden), Format.MODEL, Split.EMBEDDING)]
     for layer in range(config.num_layers):
         specs += _block(config, layer, dense, experts)
     specs += _mhc(config, "hc_head", sublayer=False)
@@ -181,23 +198,29 @@ def _attention(config: DeepseekV4Config, layer: int, dense: Format) -> list[Tens
         TensorSpec(f"{prefix}.attn_norm.weight", (hidden,), Format.MODEL, Split.REPLICATED),
         TensorSpec(f"{prefix}.attn.wq_a.weight", (q_rank, hidden), dense, Split.REPLICATED),
         TensorSpec(f"{prefix}.attn.q_norm.weight", (q_rank,), Format.MODEL, Split.REPLICATED),
-        TensorSpec(f"{prefix}.attn.wq_b.weight", (heads * head_dim, q_rank), dense, Split.ROWS, (head_dim, "heads")),
+        TensorSpec(
+            f"{prefix}.attn.wq_b.weight", (heads * head_dim, q_rank), dense, Split.ATTENTION_ROWS, (head_dim, "heads")
+        ),
         TensorSpec(f"{prefix}.attn.wkv.weight", (head_dim, hidden), dense, Split.REPLICATED),
         TensorSpec(f"{prefix}.attn.kv_norm.weight", (head_dim,), Format.MODEL, Split.REPLICATED),
         TensorSpec(
             f"{prefix}.attn.wo_a.weight",
             (groups * o_rank, heads * head_dim // groups),
             dense,
-            Split.ROWS,
+            Split.ATTENTION_ROWS,
             (o_rank, "output groups"),
             # Read by the grouped output projection's einsum, not through a linear method: held in the model
             # dtype (as upstream does without its FP8 einsum).
             resident=Format.MODEL,
         ),
         TensorSpec(
-            f"{prefix}.attn.wo_b.weight", (hidden, groups * o_rank), dense, Split.COLUMNS, (o_rank, "output groups")
+            f"{prefix}.attn.wo_b.weight",
+            (hidden, groups * o_rank),
+            dense,
+            Split.ATTENTION_COLUMNS,
+            (o_rank, "output groups"),
         ),
-        TensorSpec(f"{prefix}.attn.attn_sink", (heads,), Format.MODEL, Split.COLUMNS, (1, "heads")),
+        TensorSpec(f"{prefix}.attn.attn_sink", (heads,), Format.MODEL, Split.ATTENTION_COLUMNS, (1, "heads")),
     ]
     kind = config.layer_kind(layer)
     if kind == "window":

@@ -20,8 +20,9 @@ batch before batch k+1 is built. A chunked prefill in flight is dropped with its
 
 Not contained, so that the server exits as upstream's does: device errors
 (``torch.AcceleratorError``: the device's state is lost for every request), and any
-exception on a scheduler with several tensor- or pipeline-parallel ranks (a rank that
-fails alone would leave the others waiting in a collective).
+exception on a scheduler with several tensor- or pipeline-parallel ranks, attention-DP ranks
+included (they are ranks of the TP group; a rank that fails alone would leave the others
+waiting in a collective).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ LAYERS = (
     ("memory_pool",),
     ("prefix_cache",),
     ("attention_backend",),
-    ("kv_cache", "plugin", "platform", "quantization", "served_config", "serving", "launch", "tiny",
+    ("kv_cache", "plugin", "platform", "quantization", "served_config", "serving", "data_parallel", "launch", "tiny",
      "chat_template", "agentperf", "demo", "cli", "__init__"),
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.

@@ -74,8 +74,9 @@ class MultiTokenPrediction(Block):
         compress_rotary: Rotary,
         routed_experts: ExpertsFactory,
         layers: Layers,
+        attention_layers: Layers,
     ):
-        super().__init__(config, layer, plain_rotary, compress_rotary, routed_experts, layers)
+        super().__init__(config, layer, plain_rotary, compress_rotary, routed_experts, layers, attention_layers)
         name, hidden = config.layer_name(layer), config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -198,15 +199,15 @@ class DeepseekV4(nn.Module):
         plain = Rotary(config.rope_head_dim, config.rope_theta, None)
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
         self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
+        attention_layers = attention_layers or layers
         self.layers = nn.ModuleList(
-            Block(config, i, plain, compress, routed_experts, layers, attention_layers or layers)
-            for i in range(config.num_layers)
+            Block(config, i, plain, compress, routed_experts, layers, attention_layers) for i in range(config.num_layers)
         )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = layers.head(config.vocab_size, config.hidden_size, "head")
         self.mtp = nn.ModuleList(
-            MultiTokenPrediction(config, config.num_layers + i, plain, compress, routed_experts, layers)
+            MultiTokenPrediction(config, config.num_layers + i, plain, compress, routed_experts, layers, attention_layers)
             for i in range(config.num_mtp_layers)
         )
 

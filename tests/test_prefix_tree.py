@@ -229,7 +229,9 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
     for _ in range(new_tokens):
         length = req.kv.kv_allocated_len
         rows.req_to_token[row, length] = int(slots.alloc(1)[0])
-        rows.alloc_aux_to_lengths(req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1]))
+        rows.alloc_aux_to_lengths(
+            req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
+        )
         req.kv.kv_allocated_len = length + 1
         req.full_untruncated_fill_ids.append(scheduler.rng.randrange(4))
     req.done = True

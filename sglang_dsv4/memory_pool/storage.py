@@ -1,16 +1,17 @@
 """The V4 pool's rows, as plain torch tensors: window slots per token, compressed entries per
 block, compressor-state records per request row and per checkpoint.
 
-The network's :class:`~sglang_dsv4.model.state.LayerState` is the contract: the storage
-loads a request's layer state at position P from its rows (:meth:`V4PoolStorage.load`) and
-stores what a forward advanced it to (:meth:`V4PoolStorage.store`); the batched backend reads
-and writes the same tensors in place. Window rows, compressed entries and indexer keys are stored in
-the KV dtype's row formats (:mod:`sglang_dsv4.kernels.kv_format`: the values themselves, or FP8-packed),
-encoded where written and decoded where read; the compressor-state records are float32 whatever it is.
-Which rows a request holds is in its :class:`~.request_tables.RequestTables`; who else shares them, by reference count, in the
-:class:`~.shared_rows.SharedRows` of each kind. What a checkpoint is and which entries the
-prefix cache owns belong to :mod:`sglang_dsv4.prefix_cache`; the SGLang ``KVCache`` that
-carries all of it is :class:`sglang_dsv4.kv_cache.V4KVPool`. Nothing here imports SGLang.
+The network's :class:`~sglang_dsv4.model.state.LayerState` is the contract: the storage loads a
+request's layer state at position P from its rows (:meth:`V4PoolStorage.load`) and stores what a
+forward advanced it to (:meth:`V4PoolStorage.store`); the batched backend reads and writes the same
+tensors in place. Window rows, compressed entries and indexer keys are stored in the KV dtype's row
+formats (:mod:`sglang_dsv4.kernels.kv_format`: the values themselves, or FP8-packed), encoded where
+written and decoded where read; the compressor-state records are float32 whatever it is. Which rows
+a request holds is in its :class:`~.request_tables.RequestTables`; who else shares them, by
+reference count, in the :class:`~.shared_rows.SharedRows` of each kind. Who takes and gives back
+rows, what a checkpoint is and which entries the prefix cache owns belong to
+:mod:`sglang_dsv4.prefix_cache` (its cache manager); the SGLang ``KVCache`` that carries all of it
+is :class:`sglang_dsv4.kv_cache.V4KVPool`. Nothing here imports SGLang.
 """
 
 from __future__ import annotations

@@ -201,13 +201,16 @@ class DeepseekV4(nn.Module):
         self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
         attention_layers = attention_layers or layers
         self.layers = nn.ModuleList(
-            Block(config, i, plain, compress, routed_experts, layers, attention_layers) for i in range(config.num_layers)
+            Block(config, i, plain, compress, routed_experts, layers, attention_layers)
+            for i in range(config.num_layers)
         )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = layers.head(config.vocab_size, config.hidden_size, "head")
         self.mtp = nn.ModuleList(
-            MultiTokenPrediction(config, config.num_layers + i, plain, compress, routed_experts, layers, attention_layers)
+            MultiTokenPrediction(
+                config, config.num_layers + i, plain, compress, routed_experts, layers, attention_layers
+            )
             for i in range(config.num_mtp_layers)
         )
 

@@ -27,6 +27,10 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    ``Attention`` request by request on per-request state (what the reference backend runs,
    without its pool gathers, so an upper bound on its speed).
 
+7. with ``--verify-drafts 1,3``, a speculative verify step of ``1 + k`` tokens per request (the MTP layer's
+   ``k`` drafts and the token they follow) through the batched core's extend path and the output projection,
+   over an index built once, against the decode step's own layer step (``verify{k}_vs_decode``).
+
 Bytes are counted as distinct requests move them: window 128 rows of ``head_dim`` bf16 (staged), ratio-4
 layers ``index_topk`` selected entries and all ``context / 4`` indexer keys, ratio-128 layers all
 ``context / 128`` entries, entries and keys as the pools store them (FP8 rows: 584 and 132 B at V4's dims).
@@ -156,6 +160,22 @@ class DecodeStep:
     def layer_step(self, index: batched.ForwardIndex) -> torch.Tensor:
         """The step's part each layer runs: attention and the output projection, over a built index."""
         return self.attention.project_out(batched.attend(self.attention, self.layer, self.x, index, self.pools))
+
+
+class VerifyStep:
+    """A speculative verify step of one layer: the last ``1 + drafts`` tokens of every request (the
+    verified token and the MTP layer's drafts) through the batched core's extend path, over an index
+    built once before it (as each forward builds one for every layer), then the output projection."""
+
+    def __init__(self, step: DecodeStep, config: DeepseekV4Config, drafts: int):
+        batch, context, tokens = len(step.rows), step.pools.window_table.shape[1] - 1, 1 + drafts
+        plan = batched.BatchPlan(step.rows.tolist(), [context - tokens] * batch, [tokens] * batch)
+        self.step, self.index = step, batched.build_index(plan, step.pools, config, DEVICE)
+        self.x = torch.randn(batch * tokens, config.hidden_size, device=DEVICE, dtype=DTYPE)
+
+    def __call__(self) -> torch.Tensor:
+        step = self.step
+        return step.attention.project_out(batched.attend(step.attention, step.layer, self.x, self.index, step.pools))
 
 
 class Compressors:
@@ -328,7 +348,14 @@ def weight_bytes(attention: Attention) -> int:
 
 @torch.no_grad()
 def bench(
-    model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict, kv_dtype: torch.dtype = DTYPE
+    model: str,
+    kind: str,
+    batch: int,
+    context: int,
+    timer: Timer,
+    ceilings: dict,
+    kv_dtype: torch.dtype = DTYPE,
+    verify_drafts: tuple[int, ...] = (),
 ) -> dict:
     config = named_config(model)
     layer, attention = build_attention(config, kind)
@@ -357,6 +384,16 @@ def bench(
         core_bytes(config, kind, batch, context, pools.formats), core_flops(config, kind, batch, context), ceilings
     )
     row["core_of_floor"] = row["core_floor_us"] / row["core_us"]
+    for drafts in verify_drafts:
+        # Against the decode step's own layer step (row["layer_us"]), graphed alike; eager if it will not capture.
+        verify = VerifyStep(step, config, drafts)
+        try:
+            row[f"verify{drafts}_layer_us"] = timer.graph_us(verify)
+        except Exception as error:  # noqa: BLE001 - a host sync in the extend path: time it eagerly instead
+            torch.cuda.synchronize()
+            row[f"verify{drafts}_layer_us"] = timer.median_us(verify)
+            row[f"verify{drafts}_eager_because"] = repr(error)[:120]
+        row[f"verify{drafts}_vs_decode"] = row[f"verify{drafts}_layer_us"] / row["layer_us"]
     row["projections_of_floor"] = row["projections_floor_us"] / row["projections_us"]
     if batch == 64 and context == 8192:
         row["per_request_us"] = per_request_us(config, attention, batch, context)
@@ -378,7 +415,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-dtypes", default="bf16", help="pools to build, in turn: bf16, fp8 (DeepSeek's FP8 rows), or both"
     )
+    parser.add_argument("--verify-drafts", default="", help="also time verify steps of 1 + k tokens, e.g. 1,3")
     args = parser.parse_args()
+    verify_drafts = tuple(int(k) for k in args.verify_drafts.split(",") if k)
     kv_dtypes = [KV_DTYPES[name] for name in args.kv_dtypes.split(",")]
     timer = Timer(budget_ms=150)
     ceilings = measure_ceilings(timer)
@@ -391,7 +430,7 @@ def main() -> None:
         for context in contexts:
             for batch in batches:
                 for kind, kv_dtype in product(kinds_of(named_config(model), args.kinds.split(",")), kv_dtypes):
-                    rows.append(guarded(model, kind, batch, context, timer, ceilings, kv_dtype))
+                    rows.append(guarded(model, kind, batch, context, timer, ceilings, kv_dtype, verify_drafts))
                     print(json.dumps(rows[-1]), flush=True)
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.mkdir(parents=True, exist_ok=True)
@@ -405,11 +444,18 @@ def kinds_of(config: DeepseekV4Config, asked: list[str]) -> list[str]:
 
 
 def guarded(
-    model: str, kind: str, batch: int, context: int, timer: Timer, ceilings: dict, kv_dtype: torch.dtype = DTYPE
+    model: str,
+    kind: str,
+    batch: int,
+    context: int,
+    timer: Timer,
+    ceilings: dict,
+    kv_dtype: torch.dtype = DTYPE,
+    verify_drafts: tuple[int, ...] = (),
 ) -> dict:
     """One configuration's row, or the error that stopped it (the others still run)."""
     try:
-        return bench(model, kind, batch, context, timer, ceilings, kv_dtype)
+        return bench(model, kind, batch, context, timer, ceilings, kv_dtype, verify_drafts)
     except Exception as error:  # noqa: BLE001 - a benchmark row reports its failure and the run goes on
         torch.cuda.empty_cache()
         row = {"model": model, "kind": kind, "batch": batch, "context": context, "kv": str(kv_dtype)}

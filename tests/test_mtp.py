@@ -97,3 +97,22 @@ def test_mtp_drafted_decoding_is_plain_greedy(seed):
     read = read_prompt(model, prompt)
     decoded = speculative_decode(model, read, new_tokens, drafts=1 + seed % 4)
     assert decoded.tokens == greedy_decode(model, read, new_tokens)
+
+
+@torch.inference_mode()
+def test_a_release_format_fp8_checkpoint_with_an_mtp_layer_drafts_as_its_dequantized_twin(
+    quantized_tiny_path, twin_path
+):
+    """FP8 dense projections and FP4 experts in ``mtp.0.*`` (with their scales) load into the MTP layer as
+    their exact dequantization: its drafts equal the twin's, whose weights are those values in float32."""
+    from sglang_dsv4 import load_model
+
+    quantized, twin = load_model(quantized_tiny_path), load_model(twin_path)
+    assert len(quantized.mtp) == len(twin.mtp) == 1
+    ids = torch.randint(0, quantized.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
+    drafts = []
+    for model in (quantized, twin):
+        state = model.new_state()
+        logits, _ = model.draft(model.streams(ids[:-1], state), ids[1:], state.mtp)
+        drafts.append(logits)
+    torch.testing.assert_close(drafts[0], drafts[1], rtol=0, atol=1e-5)

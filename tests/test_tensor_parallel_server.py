@@ -121,5 +121,7 @@ def test_each_rank_holds_the_weight_bytes_the_ledger_says(parallel, tiny_model):
     from sglang_dsv4.model.weight_layout import Parallelism
 
     url, ep = parallel
-    ledger = RankLedger(tiny_model.config, Parallelism(tp=2, ep=ep), quantized=False, dtype=torch.float32)
+    # The served model holds no MTP layer yet (speculative serving is issue 26's).
+    config = tiny_model.config.without_mtp()
+    ledger = RankLedger(config, Parallelism(tp=2, ep=ep), quantized=False, dtype=torch.float32)
     assert _internal_state(url)["dsv4_weights"]["resident_bytes_per_rank"] == [sum(ledger.weight_bytes().values())] * 2

@@ -246,7 +246,8 @@ def test_server_keeps_the_weight_bytes_the_ledger_says(server, tiny_model):
     from sglang_dsv4.model.weight_layout import Parallelism
 
     info = requests.get(f"{server}/server_info", timeout=30).json()["internal_states"][0]
-    ledger = RankLedger(tiny_model.config, Parallelism(), quantized=False, dtype=torch.float32)
+    # The served model holds no MTP layer yet (speculative serving is issue 26's).
+    ledger = RankLedger(tiny_model.config.without_mtp(), Parallelism(), quantized=False, dtype=torch.float32)
     assert info["dsv4_weights"]["resident_bytes_per_rank"] == [sum(ledger.weight_bytes().values())]
 
 

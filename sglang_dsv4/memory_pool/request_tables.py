@@ -200,23 +200,19 @@ class RequestTables:
         """Per ratio, the entry rows a forward of the row up to ``target`` tokens takes (its new blocks)."""
         return {r: max(0, target // r - self.entry_count[r][row]) for r in self.ratios}
 
-    def window_slots_missing(self, row: int, first: int, last: int) -> int:
-        """How many of the row's positions ``first .. last - 1`` it holds no slot for (:meth:`hold_window`)."""
-        return len(self._missing(row, first, last))
+    def missing_window(self, row: int, first: int, last: int) -> torch.Tensor:
+        """The row's positions in ``first .. last - 1`` it holds no window slot for."""
+        positions = torch.arange(max(first, self.held_from[row], 0), last)
+        return positions[self.window_table[row, positions] == 0]
 
-    def hold_window(self, row: int, first: int, last: int) -> bool:
-        """Optional slots for the row's positions ``first .. last - 1`` it does not hold yet
-        (a snapshot's window, or all_committed's): all of them from what is free, or none."""
-        missing = self._missing(row, first, last)
+    def hold_window(self, row: int, missing: torch.Tensor) -> bool:
+        """Optional slots for the row's ``missing`` positions (:meth:`missing_window`; a snapshot's
+        window, or all_committed's): all of them from what is free, or none."""
         slots = self.window_slots.try_alloc(len(missing))
         if slots is None:
             return False
         self._window.write(row, missing, slots)
         return True
-
-    def _missing(self, row: int, first: int, last: int) -> torch.Tensor:
-        positions = torch.arange(max(first, self.held_from[row], 0), last)
-        return positions[self.window_table[row, positions] == 0]
 
     def release_window(self, row: int, positions: torch.Tensor) -> None:
         """Let the row's slots at ``positions`` go (nothing reads them any more): a forward that

@@ -144,8 +144,9 @@ class CacheManager:
     def hold_optional_window(self, row: int, first: int, last: int) -> bool:
         """Slots for the row's positions ``first .. last - 1`` it does not hold yet, if the tree's
         checkpoints worth least can make room for all of them; whether it holds them."""
-        missing = self.tables.window_slots_missing(row, first, last)
-        return self._room_for_optional(self.storage.window_slots, missing) and self.tables.hold_window(row, first, last)
+        missing = self.tables.missing_window(row, first, last)
+        room = self._room_for_optional(self.storage.window_slots, len(missing))
+        return room and self.tables.hold_window(row, missing)
 
     def _plan_snapshots(self, row: int, start: int, end: int) -> None:
         """The snapshots a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""

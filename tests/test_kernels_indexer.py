@@ -145,6 +145,28 @@ def test_top_k_is_torch_topk(topk, poisoned, rows, width, k):
     assert_same_sets(topk.top_k(scores, lengths, k), scores, lengths, k)
 
 
+# rows, width, k: rows shorter than k, odd widths, and the decode step's rows at V4's k (8K and 128K contexts)
+WHOLE_ROW_CASES = [(3, 50, 7), (4, 5003, 16), (2, 2049, 512), (2, 32769, 512)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows, width, k", WHOLE_ROW_CASES)
+def test_whole_row_top_k_is_torch_topk(topk, poisoned, rows, width, k):
+    generator = torch.Generator().manual_seed(width + k + 1)
+    scores = torch.randn(rows, width, generator=generator)
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator, dtype=torch.int32)
+    lengths[0], lengths[-1] = width, min(k, width) - 1  # a full row and one shorter than k
+    assert_same_sets(topk.whole_row_top_k(scores, lengths, k), scores, lengths, k)
+
+
+@interpreted_only
+def test_whole_row_top_k_of_equal_and_empty_rows(topk, poisoned):
+    """Every score equal (k of the ties, distinct slots) and a row of length 0 (all -1)."""
+    scores = torch.zeros(3, 3000)
+    lengths = torch.tensor([3000, 2999, 0], dtype=torch.int32)
+    assert_same_sets(topk.whole_row_top_k(scores, lengths, 16), scores, lengths, 16)
+
+
 @interpreted_only
 def test_top_k_with_every_score_equal_takes_k_distinct_slots(topk, poisoned):
     scores = torch.zeros(2, 3000)
@@ -179,9 +201,19 @@ def test_temporal_top_k_is_torch_topk_whatever_the_previous_selection(topk, pois
     assert_same_sets(topk.temporal_top_k(scores, lengths, k, previous), scores, lengths, k)
 
 
+def force_top_k(indexer, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make :func:`exact_top_k` take ``path`` at any size: ``whole_row``, ``three_launch`` or ``torch``."""
+    if path != "whole_row":
+        monkeypatch.setattr(indexer, "WHOLE_ROW_TOP_K_MAX_WIDTH", -1)
+    if path == "three_launch":
+        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
+        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+
+
 @interpreted_only
-def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
-    """``select_visible`` (what the indexer runs on CUDA), with the Triton top-k forced, against ``Indexer.select``."""
+@pytest.mark.parametrize("path", ["whole_row", "three_launch"])
+def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch, path):
+    """``select_visible`` (what the indexer runs on CUDA), through each Triton top-k, against ``Indexer.select``."""
     config = parse_config(dict(TINY_CONFIG))
     module = Indexer(config, Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn))
     generator = torch.Generator().manual_seed(13)
@@ -195,8 +227,7 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
     state = module.compressor.new_state(torch.float32, "cpu")
     state.entries = torch.randn(60, config.index_head_dim, generator=generator)
     visible = torch.arange(60)[None, :] < torch.tensor([10, 14, 17, 22, 30, 41, 49, 55, 60])[:, None]
-    monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
-    monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+    force_top_k(indexer, monkeypatch, path)
 
     with torch.no_grad():
         q, head_weights = module.queries(x, q_residual, positions)
@@ -209,20 +240,26 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch):
 
 
 @interpreted_only
-# One row tile, and two (the second partial); each tile's top-k by torch.topk, or (forced) by the Triton top-k.
+# One row tile, and two (the second partial); each tile's top-k by the whole-row select (the rule at these
+# widths), or forced: torch.topk, the three-launch Triton top-k.
 @pytest.mark.parametrize(
-    "rows,k,triton_top_k,fp8_keys",
-    [(7, 6, False, False), (300, 4, False, False), (7, 6, True, False), (7, 6, False, True)],
+    "rows,k,top_k_path,fp8_keys",
+    [
+        (7, 6, "whole_row", False),
+        (300, 4, "whole_row", False),
+        (7, 6, "torch", False),
+        (300, 4, "torch", False),
+        (7, 6, "three_launch", False),
+        (7, 6, "whole_row", True),
+    ],
 )
 def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
-    indexer, monkeypatch, rows, k, triton_top_k, fp8_keys, poisoned
+    indexer, monkeypatch, rows, k, top_k_path, fp8_keys, poisoned
 ):
     from sglang_dsv4.kernels import sparse_torch
     from sglang_dsv4.kernels.dispatch import index_top_k_triton
 
-    if triton_top_k:
-        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
-        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+    force_top_k(indexer, monkeypatch, top_k_path)
 
     heads, dim, pool_rows, blocks = 8, 32, 100, 37
     torch.manual_seed(rows)

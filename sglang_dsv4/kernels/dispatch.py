@@ -85,8 +85,8 @@ def index_top_k_triton(
     keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
-    the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: the Triton top-k where it
-    measured faster than ``torch.topk``, benchmarks/RESULTS.md)."""
+    the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: a Triton top-k where one
+    measured faster than ``torch.topk``, benchmarks/NOTES.md)."""
     from .indexer import exact_top_k, index_scores
 
     weights, chosen = head_weights.float().contiguous(), []

@@ -18,7 +18,7 @@ import triton.language as tl
 from .fp8_rows import fp8_key_rows
 from .interpreter import INTERPRETED, dot
 from .kv_format import Fp8KeyRows, RowFormat
-from .topk import temporal_top_k, top_k, top_k_reference
+from .topk import temporal_top_k, top_k, top_k_reference, whole_row_top_k
 
 
 def index_scores(
@@ -103,15 +103,20 @@ def select_entries(
     return temporal_top_k(scores, lengths, k, previous)
 
 
-# Below these sizes torch.topk beat the Triton top-k on the H200 (its per-row select costs ~100 us
-# whatever the width; benchmarks/RESULTS.md), so the network's path keeps torch.topk there.
+# Measured on the H200 (benchmarks/NOTES.md, "Fixed costs of a small decode step"): the one-launch whole-row
+# select beats torch.topk up to rows of 16K scores (3-4x at the 2,049 of an 8K context), the three-launch
+# Triton top-k from 64 rows of 128K scores, torch.topk in between.
+WHOLE_ROW_TOP_K_MAX_WIDTH = 1 << 14
 TRITON_TOP_K_MIN_ROWS, TRITON_TOP_K_MIN_WIDTH = 64, 1 << 17
 
 
 def exact_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``: the Triton
-    top-k (in no set order) from ``TRITON_TOP_K_MIN_ROWS`` rows of ``TRITON_TOP_K_MIN_WIDTH`` scores up,
-    ``torch.topk`` (best first) below. Both exact and graph-capturable; the choice reads shapes only."""
+    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``: the whole-row
+    Triton select up to ``WHOLE_ROW_TOP_K_MAX_WIDTH`` scores a row, the three-launch Triton top-k from
+    ``TRITON_TOP_K_MIN_ROWS`` rows of ``TRITON_TOP_K_MIN_WIDTH`` (both in no set order), ``torch.topk`` (best
+    first) between. All exact and graph-capturable; the choice reads shapes only."""
+    if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
+        return whole_row_top_k(scores, lengths, k)
     if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
         return top_k(scores, lengths, k)
     return top_k_reference(scores, lengths, k)

@@ -46,6 +46,39 @@ def top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     return _keep_and_select(scores, lengths, k, thresholds)
 
 
+# The widest rows :func:`whole_row_top_k` holds in registers: the select's digit counts are 16-bit fields.
+WHOLE_ROW_MAX_WIDTH = (1 << 16) - 1
+
+
+def whole_row_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, num_warps: int | None = None) -> torch.Tensor:
+    """:func:`top_k` in one launch, for rows of at most ``WHOLE_ROW_MAX_WIDTH`` scores.
+
+    One program per row holds the whole row in registers and finds its k-th largest score by
+    the same radix select (no threshold, no kept segments), then writes the slots above it
+    and the first ties. The three-launch :func:`top_k` pays a fixed cost per launch and a
+    select over a tile wider than the row; a decode step's rows (context / 4 scores) fit one
+    program, so one launch is all the row needs.
+    """
+    _check_inputs(scores, lengths, k)
+    rows, width = scores.shape
+    if width > WHOLE_ROW_MAX_WIDTH:
+        raise ValueError(f"rows of {width} scores exceed the whole-row select's {WHOLE_ROW_MAX_WIDTH}")
+    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    if rows:
+        block = max(16, triton.next_power_of_2(width))
+        _whole_row_kernel[(rows,)](
+            scores, scores.stride(0), lengths, out, out.stride(0), k,
+            BLOCK=block, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps or whole_row_warps(block),
+        )  # fmt: skip
+    return out
+
+
+def whole_row_warps(block: int) -> int:
+    """Warps of the whole-row select for a row of ``block`` places: 8 up to 4,096 places, then 32 (the best
+    of 4, 8, 16 and 32 at 2,048 and 16,384 on the H200)."""
+    return 8 if block <= 4096 else 32
+
+
 def temporal_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, previous: torch.Tensor) -> torch.Tensor:
     """:func:`top_k`, with the threshold taken from ``previous`` (``[rows, >= k]`` int32 slots, ``-1`` for none).
 
@@ -369,3 +402,23 @@ def _select_kernel(
                 written_above, written_ties = _write_chosen(
                     out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties
                 )
+
+
+@triton.jit
+def _whole_row_kernel(
+    scores_ptr, scores_row_stride, lengths_ptr, out_ptr, out_row_stride, k,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Write one row's top-k slots, the row held in registers (``BLOCK`` places)."""
+    row = tl.program_id(0)
+    length = tl.load(lengths_ptr + row)
+    k_eff = tl.minimum(k, length)
+    out_row = out_ptr + row * out_row_stride
+    ranks = tl.arange(0, BLOCK_K)
+    tl.store(out_row + ranks, -1, mask=(ranks >= k_eff) & (ranks < k))
+    slots = tl.arange(0, BLOCK)
+    valid = slots < length
+    keys = _order_key(tl.load(scores_ptr + row * scores_row_stride + slots, mask=valid, other=0.0))
+    if k_eff > 0:
+        key, ties = _kth_largest_key(keys, valid, k_eff)
+        _write_chosen(out_row, keys, slots, valid, key, ties, k_eff, tl.zeros((), tl.int32), tl.zeros((), tl.int32))

@@ -28,7 +28,7 @@ Imports nothing from SGLang: the pool is read through the attributes :class:`Poo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -280,11 +280,38 @@ class DecodeGraphIndex:
 
     def build(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
         """Device side: the index of a decode batch (``rows``, ``seq_lens``: ``[n]`` device tensors)
-        in the buffers' first rows, with no host operation."""
+        in the buffers' first rows, with no host operation: on CUDA by the Triton kernels of
+        :mod:`~sglang_dsv4.kernels.decode_index` (three launches), elsewhere by :func:`build_decode_index`."""
+        if uses_triton(rows):
+            return self.build_in_kernels(rows, seq_lens)
         pending = self.pending[rows.long()]  # [n, PENDING_PER_ROW, (position, record)]
         due = pending[..., 0] == seq_lens.long()[:, None]
         records = torch.where(due, pending[..., 1], 0).sum(-1)
         return _copy_into(self.buffers, build_decode_index(rows, seq_lens, records, self.tables, self.config))
+
+    def build_in_kernels(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
+        """:meth:`build` through the Triton kernels, whatever the device (the CPU runs them interpreted)."""
+        from ..kernels.decode_index import fill_ratio_index, fill_window_index
+
+        requests, max_requests = rows.shape[0], self.buffers.rows.shape[0]
+        index = _map_tensors(self.buffers, lambda buffer: buffer[: buffer.shape[0] // max_requests * requests])
+        window = index.window
+        fields = {"positions": index.positions, "token_request": index.token_request, "rows": index.rows}
+        fields |= {"single_step_rows": index.single_step_rows} | _fields_of(window)
+        fill_window_index(rows, seq_lens, self.tables.window_table, fields, window=self.config.sliding_window)
+        compressors = {}
+        for ratio, targets in index.compressors.items():
+            reads = index.entries[ratio]
+            fields = _fields_of(targets) | _fields_of(reads)
+            fill_ratio_index(rows, seq_lens, self.pending, self.tables.entry_table[ratio], fields, ratio=ratio)
+            compressors[ratio] = replace(targets, touched=requests)
+        owners = _tile_owners(list(range(requests)))
+        return replace(index, compressors=compressors, tile_owners=owners)
+
+
+def _fields_of(value) -> dict[str, torch.Tensor]:
+    """A dataclass's tensor fields by name."""
+    return {name: getattr(value, name) for name in value.__dataclass_fields__ if torch.is_tensor(getattr(value, name))}
 
 
 def _copy_into(buffers, value):

@@ -41,12 +41,34 @@ MERGE_BLOCK_HEADS = 16  # small blocks: the merge is a pure stream, and many pro
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """Tile sizes of the attention kernel; the defaults suit the H200 (see benchmarks/NOTES.md)."""
+    """Tile sizes of the attention kernel; the defaults suit the H200 in bf16 (see benchmarks/NOTES.md)."""
 
     block_heads: int = 64
     block_entries: int = 64
     num_warps: int = 8
     num_stages: int = 2
+
+    def shared_bytes(self, dtype: torch.dtype, head_dim: int) -> int:
+        """Shared memory the tile asks, as Triton lays it out for sm_90: the query block and each stage's
+        entry tile (an upper bound: measured 196,608 B in bf16 and 135,296 B in float32 at 32 x 32, 512 dims)."""
+        return (self.block_heads + self.num_stages * self.block_entries) * head_dim * dtype.itemsize
+
+
+# Tried in order, the first whose shared memory the device holds: the H200's bf16 tile, then a half-size one
+# (float32 at V4's 512 dims asks 278,784 B in the first, over the H200's 232,448).
+LAUNCH_SHAPES = (LaunchShape(), LaunchShape(block_heads=32, block_entries=32))
+H200_SHARED_MEMORY = 232_448  # bytes a block may use (the CPU's interpreter has no limit; kernels are sized for this)
+
+
+def launch_shape(dtype: torch.dtype, head_dim: int, device: torch.device) -> LaunchShape:
+    """The first of ``LAUNCH_SHAPES`` whose shared memory fits a block on ``device``."""
+    limit = H200_SHARED_MEMORY
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    for shape in LAUNCH_SHAPES:
+        if shape.shared_bytes(dtype, head_dim) <= limit:
+            return shape
+    raise ValueError(f"no attention tile fits {limit} B of shared memory at {head_dim} dims in {dtype}")
 
 
 def sparse_decode_attention(
@@ -71,7 +93,7 @@ def sparse_decode_attention(
     rows, heads, head_dim = q.shape
     rope_dim = 2 * cos.shape[-1]
     _check_inputs(q, window, compressed, sink, cos, sin)
-    launch = launch or LaunchShape()
+    launch = launch or launch_shape(q.dtype, head_dim, q.device)
     block_heads = min(launch.block_heads, max(16, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_heads)
     width = window.indices.shape[1] + compressed.indices.shape[1]

@@ -1,0 +1,173 @@
+"""Every Triton kernel's launch at the shipped configs' dims, in every dtype the server accepts, fits the H200.
+
+No GPU needed: Triton compiles each launch for sm_90 (its own ptxas) instead of running it, and the test
+reads the shared memory the compiled kernel asks (``metadata.shared``) against the H200's 232,448 B a block.
+The launches are the package's own wrappers called with CPU tensors of V4-Flash's and V4-Pro's dims, so the
+tiles are the ones the wrappers choose (``kernels/attention.py``'s :func:`launch_shape` in float32 among them).
+Compiling takes minutes on two cores; the compiled kernels stay in Triton's cache for later runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from sglang_dsv4.config import named_config
+from sglang_dsv4.kernels.attention import H200_SHARED_MEMORY
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MODELS = ("flash", "pro")
+
+
+class CompiledForHopper:
+    """While active, a Triton launch compiles for sm_90 and records ``(kernel, shared bytes)`` instead of running."""
+
+    def __init__(self) -> None:
+        self.compiled: list[tuple[str, int]] = []
+
+    def __enter__(self) -> CompiledForHopper:
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+
+        class Hopper:
+            def get_current_device(self) -> int:
+                return 0
+
+            def get_current_stream(self, device: int | None = None) -> int:
+                return 0
+
+            def get_current_target(self) -> GPUTarget:
+                return GPUTarget("cuda", 90, 32)
+
+        self._driver, self._jit, self._run, self._touched = driver, JITFunction, JITFunction.run, set()
+        driver.set_active(Hopper())
+        run, compiled, touched = self._run, self.compiled, self._touched
+
+        def compile_only(function, *args, grid, warmup, **kwargs):
+            kernel = run(function, *args, grid=grid, warmup=True, **kwargs)
+            compiled.append((function.fn.__name__, kernel.metadata.shared))
+            touched.add(function)
+            return kernel
+
+        JITFunction.run = compile_only
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._jit.run = self._run
+        for function in self._touched:
+            function.device_caches.clear()  # no sm_90 binary lingers for a later launch in this process
+        self._driver._active = None
+
+    def new_since(self, count: int) -> list[tuple[str, int]]:
+        return self.compiled[count:]
+
+
+@pytest.fixture(scope="module")
+def hopper() -> Iterator[CompiledForHopper]:
+    pytest.importorskip("triton.backends.nvidia")
+    with CompiledForHopper() as compiling:
+        yield compiling
+
+
+def assert_fits(hopper: CompiledForHopper, before: int, expected_kernels: int) -> None:
+    compiled = hopper.new_since(before)
+    assert len(compiled) >= expected_kernels, f"expected {expected_kernels} launches, compiled {compiled}"
+    for name, shared in compiled:
+        assert shared <= H200_SHARED_MEMORY, f"{name} asks {shared} B of shared memory"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_sparse_attention_fits_in_every_dtype(hopper, model, dtype):
+    from sglang_dsv4.kernels.attention import sparse_decode_attention
+    from sglang_dsv4.kernels.selection import KVSelection
+
+    config = named_config(model)
+    heads, dim = config.num_heads, config.head_dim
+    q = torch.zeros(2, heads, dim, dtype=dtype)
+    rows = KVSelection(torch.zeros(4, dim, dtype=dtype), torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    cos = sin = torch.zeros(2, config.rope_head_dim // 2)
+    before = len(hopper.compiled)
+    for splits in (1, 2):  # the kernel, then with the merge of split partials
+        sparse_decode_attention(q, rows, rows, torch.zeros(heads), cos, sin, scale=0.1, splits=splits)
+    assert_fits(hopper, before, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype):
+    from sglang_dsv4.kernels.indexer import index_scores
+
+    config = named_config(model)
+    q = torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype)
+    keys = torch.zeros(8, config.index_head_dim, dtype=dtype)
+    lengths = torch.full((2,), 8, dtype=torch.int32)
+    before = len(hopper.compiled)
+    index_scores(q, torch.zeros(2, config.index_n_heads), keys, lengths, scale=0.1, table=torch.zeros(2, 8, dtype=torch.int32))
+    assert_fits(hopper, before, 1)
+
+
+@pytest.mark.parametrize("width", [2049, 16384, 32769])
+def test_top_k_fits_at_decode_widths(hopper, width):
+    """The whole-row select up to its widest rule width, and the three-launch top-k, at k = 512."""
+    from sglang_dsv4.kernels import topk
+
+    scores, lengths = torch.zeros(2, width), torch.full((2,), width, dtype=torch.int32)
+    before = len(hopper.compiled)
+    topk.top_k(scores, lengths, 512)
+    if width <= 16384:
+        topk.whole_row_top_k(scores, lengths, 512)
+    assert_fits(hopper, before, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
+    """Every compressor of the config: each ratio's, and the indexer's."""
+    from sglang_dsv4.kernels.compressor import CompressorWeights, compress_decode
+
+    config = named_config(model)
+    before = len(hopper.compiled)
+    kinds = {(config.csa_rate, config.head_dim), (config.hca_rate, config.head_dim), (config.csa_rate, config.index_head_dim)}
+    for ratio, dim in kinds:
+        overlapping = ratio == config.csa_rate
+        series = 2 if overlapping else 1
+        weights = CompressorWeights(
+            ape=torch.zeros(ratio, series * dim, dtype=dtype),
+            norm_weight=torch.ones(dim, dtype=dtype),
+            norm_eps=1e-6,
+            inv_freq=torch.ones(config.rope_head_dim // 2),
+            ratio=ratio,
+            overlapping=overlapping,
+        )
+        projected = torch.zeros(2, series * dim, dtype=dtype)
+        state = torch.zeros(3, 3 if overlapping else 1, 3, dim)
+        compress_decode(projected, projected, torch.tensor([5, 9]), state, torch.tensor([1, 2]), weights)
+    assert_fits(hopper, before, len(kinds))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_mhc_fits_in_every_dtype(hopper, model, dtype):
+    from sglang_dsv4.kernels.mhc import MixingWeights, fused_post, fused_post_pre
+
+    config = named_config(model)
+    streams, hidden = config.hc_mult, config.hidden_size
+    mixing = MixingWeights(
+        torch.zeros((2 + streams) * streams, streams * hidden),
+        torch.zeros((2 + streams) * streams),
+        torch.ones(3),
+        config.hc_sinkhorn_iters,
+        config.hc_eps,
+        config.rms_norm_eps,
+    )
+    tokens = 2
+    output, state = torch.zeros(tokens, hidden, dtype=dtype), torch.zeros(tokens, streams, hidden, dtype=dtype)
+    post, comb = torch.zeros(tokens, streams), torch.zeros(tokens, streams, streams)
+    before = len(hopper.compiled)
+    fused_post_pre(output, state, post, comb, mixing, torch.ones(hidden, dtype=dtype), config.rms_norm_eps)
+    fused_post(output, state, post, comb)
+    assert_fits(hopper, before, 2)

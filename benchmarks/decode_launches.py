@@ -13,6 +13,9 @@
    0 / 64 / 512 / 1,024 compressed rows (window, ratio 128 at 8K, ratio 4, ratio 128 at 128K), at batch 1,
    8 and 64, with the entries split over 1 to 32 programs against the split :func:`choose_splits` picks,
    each checked against the unsplit output.
+4. **Every dtype at V4 dims**: the sparse attention at V4-Flash's and V4-Pro's heads and 512 dims in bf16, fp16
+   and float32 (the tile :func:`~sglang_dsv4.kernels.attention.launch_shape` picks), against the torch
+   reference in float64, timed; and the indexer's scoring likewise.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import torch
 
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kernels import topk
-from sglang_dsv4.kernels.attention import choose_splits, sparse_decode_attention
+from sglang_dsv4.kernels.attention import choose_splits, launch_shape, sparse_decode_attention
+from sglang_dsv4.kernels.indexer import index_scores, index_scores_reference
+from sglang_dsv4.kernels.sparse_torch import sparse_decode_attention_reference
 from sglang_dsv4.kernels.selection import KVSelection
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -115,13 +120,54 @@ def bench_splits(timer: Timer, batch: int, compressed_rows: int) -> dict:
     return row
 
 
+def widened(selection: KVSelection) -> KVSelection:
+    return KVSelection(selection.pool.double(), selection.indices, selection.lengths)
+
+
+def bench_dtype(timer: Timer, model: str, dtype: torch.dtype, batch: int = 8, entries: int = 640) -> dict:
+    """The attention and the indexer's scoring in ``dtype`` at the model's dims, against float64 torch."""
+    config = named_config(model)
+    heads, dim = config.num_heads, config.head_dim
+    q = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
+    pool = torch.randn(batch * entries, dim, device=DEVICE).to(dtype)
+    rows = torch.arange(batch * entries, device=DEVICE).view(batch, entries).int()
+    window = KVSelection(pool, rows[:, :128].contiguous(), torch.full((batch,), 128, dtype=torch.int32, device=DEVICE))
+    compressed = KVSelection(pool, rows[:, 128:].contiguous(), torch.full((batch,), entries - 128, dtype=torch.int32, device=DEVICE))
+    sink = torch.randn(heads, device=DEVICE)
+    angles = torch.rand(batch, config.rope_head_dim // 2, device=DEVICE) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    attend = partial(sparse_decode_attention, q, window, compressed, sink, cos, sin, scale=dim**-0.5)
+    expected = sparse_decode_attention_reference(
+        q.double(), widened(window), widened(compressed), sink.double(), cos.double(), sin.double(), scale=dim**-0.5
+    )
+    row = {"model": model, "dtype": str(dtype), "launch": str(launch_shape(dtype, dim, DEVICE))}
+    try:
+        row["attention_error"] = relative_error(attend(), expected)
+        row["attention_us"] = timer.graph_us(attend)
+    except Exception as error:  # noqa: BLE001 - a launch that fails reports why
+        row["attention_failed"] = repr(error)[:200]
+    iq = torch.randn(batch, config.index_n_heads, config.index_head_dim, device=DEVICE).to(dtype)
+    weights = torch.randn(batch, config.index_n_heads, device=DEVICE)
+    keys = torch.randn(4096, config.index_head_dim, device=DEVICE).to(dtype)
+    lengths = torch.full((batch,), 4096, dtype=torch.int32, device=DEVICE)
+    score = partial(index_scores, iq, weights, keys, lengths, scale=0.1)
+    try:
+        row["scores_error"] = relative_error(score(), index_scores_reference(iq.double(), weights, keys.double(), lengths, scale=0.1))
+        row["scores_us"] = timer.graph_us(score)
+    except Exception as error:  # noqa: BLE001
+        row["scores_failed"] = repr(error)[:200]
+    return row
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--sections", default="top_k,splits,profile,dtypes")
     args = parser.parse_args()
+    sections = args.sections.split(",")
     timer = Timer(budget_ms=100)
-    results: dict[str, list] = {"profile": [], "top_k": [], "splits": []}
+    results: dict[str, list] = {section: [] for section in sections}
 
     def record(section: str, row: dict) -> None:
         results[section].append(row)
@@ -130,15 +176,22 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "decode_launches.json").write_text(json.dumps(results, indent=1))
 
-    for rows in (1, 8, 64, 256):
-        for width in (2049, 8193, 32769, 262145):
-            record("top_k", bench_top_k(timer, rows, width))
-    for batch in (1, 8, 64):
-        for compressed in (0, 64, 512, 1024):
-            record("splits", bench_splits(timer, batch, compressed))
-    for batch in (1, 64):
-        for kind in ("window", "csa", "hca"):
-            record("profile", profile_step(kind, batch, 8192))
+    if "top_k" in sections:
+        for rows in (1, 8, 64, 256):
+            for width in (2049, 8193, 32769, 262145):
+                record("top_k", bench_top_k(timer, rows, width))
+    if "splits" in sections:
+        for batch in (1, 8, 64):
+            for compressed in (0, 64, 512, 1024):
+                record("splits", bench_splits(timer, batch, compressed))
+    if "dtypes" in sections:
+        for model in ("flash", "pro"):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                record("dtypes", bench_dtype(timer, model, dtype))
+    if "profile" in sections:
+        for batch in (1, 64):
+            for kind in ("window", "csa", "hca"):
+                record("profile", profile_step(kind, batch, 8192))
 
 
 if __name__ == "__main__":

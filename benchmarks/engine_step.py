@@ -27,7 +27,9 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    ``Attention`` request by request on per-request state (what the reference backend runs,
    without its pool gathers, so an upper bound on its speed).
 
-7. with ``--verify-drafts 1,3``, a speculative verify step of ``1 + k`` tokens per request (the MTP layer's
+7. composes each model's whole step from its layer kinds (43 V4-Flash layers, 61 V4-Pro layers, one index
+   build; :func:`composed_steps`), with and without the projections;
+8. with ``--verify-drafts 1,3``, a speculative verify step of ``1 + k`` tokens per request (the MTP layer's
    ``k`` drafts and the token they follow) through the batched core's extend path and the output projection,
    over an index built once, against the decode step's own layer step (``verify{k}_vs_decode``).
 
@@ -434,8 +436,32 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.mkdir(parents=True, exist_ok=True)
-                        result = {"ceilings": ceilings, "rows": rows}
+                        result = {"ceilings": ceilings, "rows": rows, "composed": composed_steps(rows)}
                         (args.out / f"engine_step{args.tag}.json").write_text(json.dumps(result, indent=1))
+
+
+def composed_steps(rows: list[dict]) -> list[dict]:
+    """Each model's whole decode step composed from its layer rows, per batch and context: every layer of the
+    config (V4-Flash 43, V4-Pro 61) at its kind's layer step, plus one index build. ``ours_us``: the layer steps
+    without their projections (the part this package writes); ``with_projections_us``: the layer steps whole.
+    Sums of separately replayed graphs, not one graph of the whole step."""
+    composed = []
+    keys = {(r["model"], r["batch"], r["context"], r["kv"]) for r in rows if "error" not in r}
+    for model, batch, context, kv in sorted(keys):
+        config = named_config(model)
+        layers = [config.layer_kind(i) for i in range(config.num_layers)]
+        found = {r["kind"]: r for r in rows if (r["model"], r["batch"], r["context"], r["kv"]) == (model, batch, context, kv)}
+        if not all(kind in found and "error" not in found[kind] for kind in set(layers)):
+            continue
+        index = found[layers[-1]]["index_us"]
+        composed.append(
+            {
+                "model": model, "batch": batch, "context": context, "kv": kv, "layers": len(layers),
+                "ours_us": index + sum(found[k]["layer_us"] - found[k]["projections_us"] for k in layers),
+                "with_projections_us": index + sum(found[k]["layer_us"] for k in layers),
+            }
+        )  # fmt: skip
+    return composed
 
 
 def kinds_of(config: DeepseekV4Config, asked: list[str]) -> list[str]:

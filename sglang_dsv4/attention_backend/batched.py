@@ -35,7 +35,7 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
-from ..kernels.dispatch import compress_one_token_each, index_top_k, sparse_attention
+from ..kernels.dispatch import compress_one_token_each, fill_decode_index, index_top_k, sparse_attention
 from ..kernels.kv_format import PoolFormats, RowFormat
 from ..kernels.selection import KVSelection
 from ..model.attention import Attention
@@ -262,10 +262,12 @@ class DecodeGraphIndex:
 
     def build(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
         """Device side: the index of a decode batch (``rows``, ``seq_lens``: ``[n]`` device tensors)
-        in the buffers' first rows, with no host operation: on CUDA by the Triton kernels of
-        :mod:`~sglang_dsv4.kernels.decode_index` (three launches), elsewhere by :func:`build_decode_index`."""
-        if uses_triton(rows):
-            return self.build_in_kernels(rows, seq_lens)
+        in the buffers' first rows, with no host operation (:func:`~sglang_dsv4.kernels.dispatch.fill_decode_index`:
+        on CUDA :meth:`build_in_kernels`, elsewhere :meth:`build_in_torch`)."""
+        return fill_decode_index(self, rows, seq_lens)
+
+    def build_in_torch(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
+        """:meth:`build` by :func:`build_decode_index`, copied into the buffers."""
         pending = self.pending[rows.long()]  # [n, PENDING_PER_ROW, (position, record)]
         due = pending[..., 0] == seq_lens.long()[:, None]
         records = torch.where(due, pending[..., 1], 0).sum(-1)
@@ -284,9 +286,9 @@ class DecodeGraphIndex:
         compressors = {}
         for ratio, targets in index.compressors.items():
             reads = index.entries[ratio]
-            fields = _fields_of(targets) | _fields_of(reads)
+            fields = _fields_of(targets) | _fields_of(targets.blocks) | _fields_of(reads)
             fill_ratio_index(rows, seq_lens, self.pending, self.tables.entry_table[ratio], fields, ratio=ratio)
-            compressors[ratio] = replace(targets, touched=requests)
+            compressors[ratio] = replace(targets, blocks=replace(targets.blocks, touched=requests))
         owners = _tile_owners(list(range(requests)))
         return replace(index, compressors=compressors, tile_owners=owners)
 
@@ -407,8 +409,9 @@ def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int, si
     blocks = BlockTargets.of(
         batch.starts, batch.lengths, batch.offsets, snapshots, ratio, touched=sizes.touched, width=sizes.width
     )
-    rows = batch.rows[blocks.request[: blocks.touched]]
-    entry_rows = torch.where(blocks.complete, entry_table[rows, blocks.blocks], 0)
+    request = blocks.request[: blocks.touched]
+    complete = batch.ends[request] >= blocks.entry_positions + ratio
+    entry_rows = torch.where(complete, entry_table[batch.rows[request], blocks.entry_positions // ratio], 0)
     return CompressorTargets(blocks, entry_rows, batch.snapshot_record)
 
 

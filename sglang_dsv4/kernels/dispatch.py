@@ -235,6 +235,23 @@ def select_visible(
     return indexer.select_reference(x, q_residual, positions, keys, visible)
 
 
+class DecodeIndex(Protocol):
+    """A CUDA graph's decode index, built in place two ways
+    (:class:`~sglang_dsv4.attention_backend.batched.DecodeGraphIndex`)."""
+
+    def build_in_kernels(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any: ...
+
+    def build_in_torch(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any: ...
+
+
+def fill_decode_index(index: DecodeIndex, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any:
+    """A decode batch's index in the graph's buffers: the Triton kernels of :mod:`.decode_index` (three
+    launches), or the torch build."""
+    if uses_triton(rows):
+        return index.build_in_kernels(rows, seq_lens)
+    return index.build_in_torch(rows, seq_lens)
+
+
 # --- tensors ---------------------------------------------------------------------------------------
 
 

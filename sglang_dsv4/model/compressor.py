@@ -139,7 +139,7 @@ class CompressorState:
         return as_record(pools)
 
     def append(self, entries: torch.Tensor, record: torch.Tensor) -> int:
-        """Advance to where ``entries`` (appended) and the pools of ``record`` leave it; returns how many entries."""
+        """Take a forward's new ``entries`` and the pools of its state record ``record``; returns how many entries."""
         advanced = CompressorState.of_record(entries, record)
         self.entries = torch.cat([self.entries, entries])
         self.current, self.next_half, self.previous_half = advanced.current, advanced.next_half, advanced.previous_half
@@ -179,8 +179,7 @@ class BlockTargets:
     previous_target: torch.Tensor  # [targets]: target pooling the block before (-1: in the record)
     previous_in_record: torch.Tensor  # [targets]: the record's previous half exists (block > 0)
     touched: int
-    blocks: torch.Tensor  # [touched]: the block of each touched target
-    complete: torch.Tensor  # [touched]: its block is complete after the forward
+    entry_positions: torch.Tensor  # [touched]: the block's first position (its entry's rope)
     last_target: torch.Tensor  # [requests]: the touched target of each request's last block
     ends_block: torch.Tensor  # [requests]: the forward ends exactly at a block end
 
@@ -232,8 +231,7 @@ class BlockTargets:
             previous_target=torch.cat([previous, snap_previous]),
             previous_in_record=all_block > 0,
             touched=touched,
-            blocks=block,
-            complete=hi == (block + 1) * ratio,
+            entry_positions=block * ratio,
             last_target=first_target + counts - 1,
             ends_block=ends % ratio == 0,
         )
@@ -336,7 +334,7 @@ class Compressor(nn.Module):
         else:
             entry_pools = later[:touched]
         entries = self.norm(entry_pools.value().to(kv.dtype))
-        cos, sin = self.rotary.cos_sin(targets.blocks * self.ratio)
+        cos, sin = self.rotary.cos_sin(targets.entry_positions)
 
         last, ends_block = targets.last_target, targets.ends_block
         empty = SoftmaxPool.empty((len(last), dim), kv.device)

@@ -182,7 +182,8 @@ class VerifyStep:
 
 class Compressors:
     """The step's compressor advances alone (the layer's and its indexer's), through ``advance``:
-    ``batched._advance_one_token_each`` (the Triton decode kernel) or ``batched._advance_pooled`` (torch)."""
+    ``batched._advance_one_token_each`` (the Triton decode kernel, on CUDA) or ``batched._advance_pooled`` (torch);
+    the copy of each record one step back that ``batched._advance`` makes first is not in either."""
 
     def __init__(self, step: DecodeStep, advance):
         self.step, self.advance = step, advance

@@ -5,7 +5,7 @@ backend and the prefix cache. V4 has no per-layer K/V buffers: its rows are the
 :class:`~sglang_dsv4.memory_pool.storage.V4PoolStorage` (window slots, compressed entries,
 state records, request tables), and who takes and gives back which is the prefix cache's
 :class:`~sglang_dsv4.prefix_cache.manager.CacheManager` (the checkpoints made over the rows,
-:attr:`V4KVPool.checkpoints`, and the entries the tree's token slots keep, :attr:`V4KVPool.entries`,
+:attr:`V4KVPool.checkpoints`, and the entries the tree's token slots keep, :attr:`V4KVPool.entry_ownership`,
 are the manager's). This class carries the two.
 """
 
@@ -35,7 +35,7 @@ class V4KVPool(KVCache):
             config, kv_dtype, num_tokens=size, max_requests=max_requests, max_context=max_context, device=device
         )
         self.manager = CacheManager(self.storage)
-        self.entries, self.checkpoints = self.manager.entries, self.manager.checkpoints
+        self.entry_ownership, self.checkpoints = self.manager.entry_ownership, self.manager.checkpoints
         self.mem_usage = self.storage.allocated_bytes / 2**30
 
     # --- KVCache's abstract interface: V4 has no per-layer K/V buffers --------------------------

@@ -7,7 +7,7 @@ takes over the decisions upstream forces for that architecture (its ``dsv4`` bac
 SGLang's registries and hooks only. ``SGLANG_DSV4_PLUGIN_DISABLE=1`` leaves V4 to upstream.
 
 SGLang only logs a hook whose target moved; the model refuses to start instead
-(:func:`require_hooks_applied`), naming the hooks that did not apply.
+(:func:`~sglang_dsv4.hooks.require_hooks_applied`), naming the hooks that did not apply.
 """
 
 from __future__ import annotations
@@ -18,50 +18,15 @@ from typing import Any
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from . import hooks
 from .config import check_tensor_parallel
-from .data_parallel import DATA_PARALLEL_HOOKS, check_attention_data_parallel, register_data_parallel_hooks
+from .data_parallel import check_attention_data_parallel, register_data_parallel_hooks
 from .platform import bind_rank_threads
-from .prefix_cache.admission import ADMISSION_HOOKS
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
-from .serving import SERVING_HOOKS, register_serving_hooks
+from .serving import register_serving_hooks
 from .settings import settings
 
 logger = logging.getLogger(__name__)
-
-_UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
-_KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
-_POOL_SIZING = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
-_CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
-_INTERNAL_STATE = (
-    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
-)
-_RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
-_CONFIG_LOADING = "sglang.srt.utils.hf_transformers.config.get_config"
-_CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
-_THREAD_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
-_STATE_UPDATES = (
-    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
-)
-# On the CPU platform, FP8 checkpoints' methods dequantize per use (quantization.py).
-_FP8_METHOD_CHOICE = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
-_FP8_ACTIVATION_DTYPES = "sglang.srt.layers.quantization.fp8.Fp8Config.get_supported_act_dtypes"
-REQUIRED_HOOKS = (
-    _CONFIG_LOADING,
-    _CPU_PADDING,
-    _THREAD_BINDING,
-    _UPSTREAM_V4_DEFAULTS,
-    _KV_POOL_BUILDER,
-    _POOL_SIZING,
-    _CHAT_ENCODING,
-    _INTERNAL_STATE,
-    *SERVING_HOOKS,
-    _RADIX_CACHE_FACTORY,
-    _STATE_UPDATES,
-    *ADMISSION_HOOKS,
-    _FP8_METHOD_CHOICE,
-    _FP8_ACTIVATION_DTYPES,
-    *DATA_PARALLEL_HOOKS,
-)
 
 
 def register() -> None:
@@ -72,28 +37,18 @@ def register() -> None:
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
-    HookRegistry.register(_CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
-    HookRegistry.register(_CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
-    HookRegistry.register(_THREAD_BINDING, bind_rank_threads, HookType.AROUND)
-    HookRegistry.register(_UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
-    HookRegistry.register(_KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
-    HookRegistry.register(_POOL_SIZING, _size_v4_pools, HookType.AROUND)
-    HookRegistry.register(_CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
-    HookRegistry.register(_INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
+    HookRegistry.register(hooks.CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
+    HookRegistry.register(hooks.CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
+    HookRegistry.register(hooks.THREAD_BINDING, bind_rank_threads, HookType.AROUND)
+    HookRegistry.register(hooks.UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
+    HookRegistry.register(hooks.KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
+    HookRegistry.register(hooks.POOL_SIZING, _size_v4_pools, HookType.AROUND)
+    HookRegistry.register(hooks.CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
+    HookRegistry.register(hooks.INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
     _register_quantization_hooks()
     register_data_parallel_hooks()
     register_serving_hooks()
     _register_prefix_cache()
-
-
-def require_hooks_applied() -> None:
-    """Refuse to start when a hook this plugin needs did not apply (SGLang only logs that)."""
-    missing = [target for target in REQUIRED_HOOKS if target not in HookRegistry._patched]
-    if missing:
-        raise RuntimeError(
-            f"sglang-dsv4: hooks not applied: {missing}. This SGLang version is not the one the plugin "
-            "supports (sglang==0.5.23); set SGLANG_DSV4_PLUGIN_DISABLE=1 to use upstream's V4 path."
-        )
 
 
 def _register_model() -> None:
@@ -110,8 +65,8 @@ def _register_model() -> None:
 def _register_quantization_hooks() -> None:
     from .quantization import cpu_activation_dtypes, cpu_quant_method
 
-    HookRegistry.register(_FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
-    HookRegistry.register(_FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
+    HookRegistry.register(hooks.FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
+    HookRegistry.register(hooks.FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
 
 
 def _register_attention_backend() -> None:
@@ -153,7 +108,7 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    require_hooks_applied()
+    hooks.require_hooks_applied()
     view = resolving_view(server_args)
     check_tensor_parallel(served_config(hf_config), view.tp_size, view.attn_dp_size)
     check_attention_data_parallel(view)
@@ -172,8 +127,8 @@ def _register_prefix_cache() -> None:
 
     if "dsv4" not in registered_radix_cache_backends():  # a second register() in one process (tests) keeps it
         register_radix_cache_backend("dsv4", build_v4_radix_cache)
-    HookRegistry.register(_RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
-    HookRegistry.register(_STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
+    HookRegistry.register(hooks.RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
+    HookRegistry.register(hooks.STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
     register_admission_hooks()
 
 

@@ -73,12 +73,12 @@ class TwoBackends:
             self.each_pool(lambda pool: pool.manager.reserve(row, start + length))
             spans.append(RequestSpan(row, start, length, offset))
             offset += length
-        ids = torch.cat([self.sequences[s.request][s.start : s.start + s.length] for s in spans])
+        ids = torch.cat([self.sequences[s.row][s.start : s.start + s.length] for s in spans])
         self.reference.plan_forward(spans)
         snapshots = [
             batched.Snapshot(i, c.position, c.record)
             for i, s in enumerate(spans)
-            for c in batched_pool.checkpoints.between(s.request, s.start, s.start + s.length)
+            for c in batched_pool.checkpoints.between(s.row, s.start, s.start + s.length)
         ]
         plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
         batched_ids = ids
@@ -138,7 +138,7 @@ class TwoBackends:
 
     def checkpoint(self, row: int, position: int, slots: torch.Tensor):
         """Both pools: the tree commits the row's first ``position`` token slots and checkpoints it there."""
-        self.each_pool(lambda pool: pool.entries.commit(row, slots, 0, position))
+        self.each_pool(lambda pool: pool.entry_ownership.commit(row, slots, 0, position))
         return self.each_pool(lambda pool: pool.checkpoints.make(row, position))
 
     def resume(self, row: int, checkpoints, slots: torch.Tensor) -> None:
@@ -392,7 +392,7 @@ def test_indexer_selections_equal_the_reference(tiny_model):
     records = batched._records(pool.storage, (layer, "indexer"))
     keys = batched._Rows(pool.storage.compressed[(layer, "indexer_keys")], pool.storage.formats.indexer_keys)
     batched._advance(attention.indexer.compressor, x, index, keys, records)
-    chosen = batched.select_entries(attention.indexer, x, q_residual, index, keys.pool, keys.row_format)
+    chosen = batched.select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
     masks = [mask for request in expected for mask in request]
     for token, mask in enumerate(masks):
         chosen_blocks = sorted(chosen[token][chosen[token] >= 0].tolist())

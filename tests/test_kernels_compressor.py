@@ -23,7 +23,7 @@ from kernel_testing import (
 )
 
 from sglang_dsv4.kernels.kv_format import PlainRows
-from sglang_dsv4.model.compressor import Compressor, CompressorState
+from sglang_dsv4.model.compressor import Compressor
 from sglang_dsv4.model.rope import Rotary
 
 HIDDEN, DIM, ROPE_DIM = 24, 16, 8
@@ -56,12 +56,6 @@ def weights_of(kernel, compressor: Compressor):
         compressor.ape, compressor.norm.weight, compressor.norm.eps, compressor.rotary.inv_freq, compressor.ratio,
         compressor.overlapping,
     )  # fmt: skip
-
-
-def record_of(state: CompressorState) -> torch.Tensor:
-    """The state's pools as the V4 pool stores them: ``[pools, 3, dim]``."""
-    pools = [state.current] if state.next_half is None else [state.current, state.next_half, state.previous_half]
-    return torch.stack([torch.stack([pool.max, pool.denom, pool.weighted]) for pool in pools])
 
 
 def assert_same_record(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
@@ -113,7 +107,7 @@ def test_extend_chunk_by_chunk_matches_reference(kernel, monkeypatch, ratio, ove
         assert entries.shape == expected.shape and entries.dtype == dtype
         if expected.numel():
             assert relative_error(entries, expected) < TOLERANCE[dtype]
-        assert_same_record(state[1], record_of(reference.state), TOLERANCE[dtype])
+        assert_same_record(state[1], reference.state.record(), TOLERANCE[dtype])
         start += length
     assert torch.equal(state[[0, 2]], untouched)
 
@@ -129,7 +123,7 @@ def test_extend_of_several_requests_in_one_call(kernel, monkeypatch, ratio, over
     for reference, start, row in zip(references, starts, rows, strict=True):
         if start:  # the request at position 0 keeps its poisoned row
             reference.advance(torch.randn(start, HIDDEN), 0)
-            state[row] = record_of(reference.state)
+            state[row] = reference.state.record()
     xs = [torch.randn(length, HIDDEN) for length in lengths]
     expected = torch.cat([ref.advance(x, start) for ref, x, start in zip(references, xs, starts, strict=True)])
     poison_allocations(monkeypatch)
@@ -137,7 +131,7 @@ def test_extend_of_several_requests_in_one_call(kernel, monkeypatch, ratio, over
     entries = kernel.compress_extend(kv, gate, starts, lengths, state, torch.tensor(rows), weights)
     assert relative_error(entries, expected) < TOLERANCE[torch.float32]
     for reference, row in zip(references, rows, strict=True):
-        assert_same_record(state[row], record_of(reference.state), TOLERANCE[torch.float32])
+        assert_same_record(state[row], reference.state.record(), TOLERANCE[torch.float32])
 
 
 @interpreted_only
@@ -153,7 +147,7 @@ def test_decode_of_a_batch_matches_reference(kernel, monkeypatch, ratio, overlap
     for reference, position, row in zip(references, positions, rows, strict=True):
         if position:
             reference.advance(torch.randn(position, HIDDEN).to(torch.bfloat16), 0)
-            state[row] = record_of(reference.state)
+            state[row] = reference.state.record()
         else:
             state[row] = float("nan")
     untouched = state[[4, 7]].clone()
@@ -169,16 +163,17 @@ def test_decode_of_a_batch_matches_reference(kernel, monkeypatch, ratio, overlap
             assert relative_error(entries[i], expected) < TOLERANCE[torch.bfloat16]
         else:
             assert torch.equal(entries[i], torch.zeros_like(entries[i]))
-        assert_same_record(state[row], record_of(reference.state), TOLERANCE[torch.bfloat16])
+        assert_same_record(state[row], reference.state.record(), TOLERANCE[torch.bfloat16])
     assert torch.equal(state[[4, 7]], untouched)
 
 
 @interpreted_only
 @pytest.mark.parametrize("ratio,overlapping", KINDS)
-def test_model_compressor_on_the_kernel_path(kernel, ratio, overlapping):
-    """The glue the model uses on CUDA (``model.kernel_calls.compressor_advance_kernel``) keeps the model's state exact."""
-    from sglang_dsv4.model.kernel_calls import compressor_advance_kernel
+def test_model_compressor_on_the_kernel_path(kernel, monkeypatch, ratio, overlapping):
+    """The model's compressor where dispatch chooses the kernel (on CUDA; here, told so) keeps its state exact."""
+    from sglang_dsv4.kernels import dispatch
 
+    monkeypatch.setattr(dispatch, "uses_triton", lambda tensor: True)
     compressor = random_compressor(ratio, overlapping, torch.float32, seed=30 + ratio)
     reference = Reference(compressor)
     state = compressor.new_state(torch.float32, "cpu")
@@ -187,10 +182,10 @@ def test_model_compressor_on_the_kernel_path(kernel, ratio, overlapping):
         x = torch.randn(length, HIDDEN)
         reference.advance(x, start)
         with torch.no_grad():
-            compressor_advance_kernel(compressor, x, start, state)
+            compressor.advance(x, start, state)
         start += length
     assert relative_error(state.entries, reference.state.entries) < TOLERANCE[torch.float32]
-    assert_same_record(record_of(state), record_of(reference.state), TOLERANCE[torch.float32])
+    assert_same_record(state.record(), reference.state.record(), TOLERANCE[torch.float32])
 
 
 @interpreted_only
@@ -206,16 +201,19 @@ def test_chunks_without_tokens_are_refused(kernel):
 @interpreted_only
 @pytest.mark.parametrize("ratio,overlapping", KINDS)
 def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, monkeypatch, ratio, overlapping):
-    """The batched core's decode step on CUDA (``batched._advance_one_token_each``) writes what its torch
-    path (``batched._advance_pooled``) writes: entry rows, states, the records one step back, snapshots.
+    """The batched core's decode step on CUDA (``batched._advance`` where dispatch chooses the decode kernel)
+    writes what its torch pools of any forward (``batched._advance_pooled``) write: entry rows, states, the
+    records one step back, snapshots.
 
     Requests sit at every kind of position (the first token, inside a block, a block's last token, the
     first after one), two padded rows decode position 0 of row 0, some rows take a snapshot; the
     state's pools their position says are empty are NaN, and the kernel's outputs start as NaN.
     """
+    import dataclasses
     import types
 
     from sglang_dsv4.attention_backend import batched
+    from sglang_dsv4.kernels import dispatch
 
     compressor = random_compressor(ratio, overlapping, torch.float32, seed=40 + ratio)
     request_rows, blocks, pools = 9, 8, 3 if overlapping else 1
@@ -241,13 +239,13 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, mon
     x = torch.randn(len(rows), HIDDEN)
     with torch.no_grad():
         stored_as = PlainRows(DIM, entries.dtype)
-        batched._advance_pooled(
-            compressor, x, index, batched._Rows(torch_entries, stored_as), batched._StateRecords(**torch_side)
+        pooled = dataclasses.replace(index, one_token_each=False)
+        batched._advance(
+            compressor, x, pooled, batched._Rows(torch_entries, stored_as), batched._StateRecords(**torch_side)
         )
         poison_allocations(monkeypatch)
-        batched._advance_one_token_each(
-            compressor, x, index, batched._Rows(entries, stored_as), batched._StateRecords(**fresh)
-        )
+        monkeypatch.setattr(dispatch, "uses_triton", lambda tensor: True)
+        batched._advance(compressor, x, index, batched._Rows(entries, stored_as), batched._StateRecords(**fresh))
 
     def same(actual: torch.Tensor, expected: torch.Tensor, what: str, equal_nan: bool = False) -> None:
         assert equal_nan or not torch.isnan(actual).any(), f"{what}: NaN (a poisoned pool read, or unwritten)"

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_dsv4 import plugin
+from sglang_dsv4 import hooks, plugin
 from sglang_dsv4.launch import running_server
 
 
 def test_missing_hook_refuses_to_start_and_names_it(monkeypatch):
-    applied = set(plugin.REQUIRED_HOOKS)
-    missing = plugin.REQUIRED_HOOKS[1]
+    applied = set(hooks.REQUIRED_HOOKS)
+    missing = hooks.REQUIRED_HOOKS[1]
     monkeypatch.setattr(HookRegistry, "_patched", applied - {missing})
     with pytest.raises(RuntimeError) as error:
-        plugin.require_hooks_applied()
+        hooks.require_hooks_applied()
     assert missing in str(error.value) and "sglang==0.5.23" in str(error.value)
 
 
@@ -23,7 +23,7 @@ def test_all_hooks_apply_to_this_sglang():
     plugin.register()
     HookRegistry.apply_hooks()
     try:
-        plugin.require_hooks_applied()
+        hooks.require_hooks_applied()
     finally:
         HookRegistry.reset()
 

@@ -88,7 +88,7 @@ def test_a_checkpoint_resumes_exactly_on_another_row(tiny_model):
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     run_through_pool(tiny_model, pool, 1, ids, [130, 67])  # 197: inside a ratio-4 and a ratio-128 block
     slots = torch.arange(1, 198)  # the token slots a prefix cache would hold for them
-    pool.entries.commit(1, slots, 0, 197)
+    pool.entry_ownership.commit(1, slots, 0, 197)
     checkpoint = pool.checkpoints.make(1, 197)
     pool.storage.tables.free(1)  # the checkpoint and the slots keep what they point at
     pool.checkpoints.resume(2, checkpoint, slots)
@@ -103,7 +103,7 @@ def test_a_checkpoint_one_decode_step_late_uses_the_state_before_it(tiny_model):
     pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     run_through_pool(tiny_model, pool, 1, ids, [259, 1])
     slots = torch.arange(1, 260)
-    pool.entries.commit(1, slots, 0, 259)
+    pool.entry_ownership.commit(1, slots, 0, 259)
     checkpoint = pool.checkpoints.make(1, 259)
     pool.checkpoints.resume(3, checkpoint, slots)
     resumed = run_through_pool(tiny_model, pool, 3, ids, [41])
@@ -116,13 +116,13 @@ def test_checkpoints_and_requests_return_every_row_they_shared(tiny_model):
     ids = random_ids(300, tiny_model.config.vocab_size, seed=87)
     run_through_pool(tiny_model, pool, 1, ids, [200])
     slots = torch.arange(1, 201)
-    pool.entries.commit(1, slots, 0, 200)
+    pool.entry_ownership.commit(1, slots, 0, 200)
     checkpoint = pool.checkpoints.make(1, 200)
     pool.checkpoints.resume(2, checkpoint, slots)
     run_through_pool(tiny_model, pool, 2, ids, [100])
     pool.storage.tables.free(1)
     pool.checkpoints.release(checkpoint)
-    pool.entries.release_slots(slots)
+    pool.entry_ownership.release_slots(slots)
     assert pool.storage.usage() != before  # row 2 still holds the shared entries
     pool.storage.tables.free(2)
     assert pool.storage.usage() == before
@@ -169,7 +169,7 @@ def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_re
     cold = tiny_model(ids, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 1, ids, 0, 400) - cold).abs().max() <= 1e-4
     slots = torch.arange(1, 401)
-    pool.entries.commit(1, slots, 0, 400)
+    pool.entry_ownership.commit(1, slots, 0, 400)
     snapshot = pool.checkpoints.take(1, 400)[-1]
     pool.checkpoints.resume(2, snapshot, slots)
     pool.manager.reserve(2, 400)
@@ -197,7 +197,7 @@ def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_y
     cold_second = tiny_model(second, tiny_model.new_state())
     assert (forward_with_snapshots(tiny_model, pool, 2, second, 0, 300) - cold_second).abs().max() <= 1e-4
     slots = torch.arange(1, 601)
-    pool.entries.commit(1, slots, 0, 600)
+    pool.entry_ownership.commit(1, slots, 0, 600)
     last_kept = pool.checkpoints.take(1, 600)[-1]
     pool.storage.tables.free(1)
     pool.storage.tables.free(2)
@@ -282,7 +282,7 @@ def test_a_snapshot_dropped_after_its_forward_ran_leaves_that_forwards_checkpoin
     assert (forward_with_snapshots(tiny_model, pool, 2, second, 0, 200) - cold_second).abs().max() <= 1e-4
     # Then the first forward's result: its kept snapshot and its end's checkpoint resume exactly.
     slots = torch.arange(1, 301)
-    pool.entries.commit(1, slots, 0, 300)
+    pool.entry_ownership.commit(1, slots, 0, 300)
     resumable = [*pool.checkpoints.take(1, 300), pool.checkpoints.make(1, 300)]
     assert [c.position for c in resumable] == [128, 300]
     pool.storage.tables.free(1)
@@ -338,7 +338,7 @@ def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_
         else:
             pool.manager.reserve(row, position + length)
             if step % 5 == 0 and position + length > 0:
-                pool.entries.commit(row, slots, 0, position + length)
+                pool.entry_ownership.commit(row, slots, 0, position + length)
                 made = pool.checkpoints.make(row, position + length)
                 checkpoints.extend([] if made is None else [made])
                 for taken in pool.checkpoints.take(row, position + length):

@@ -23,7 +23,7 @@ def sglang_with_plugin() -> None:
     """SGLang's plugins loaded in this process, as in a server's, every hook the plugin needs applied."""
     from sglang.srt.plugins import load_plugins
 
-    from sglang_dsv4.plugin import require_hooks_applied
+    from sglang_dsv4.hooks import require_hooks_applied
 
     load_plugins()
     require_hooks_applied()

@@ -35,14 +35,12 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
-from ..kernels.dispatch import index_top_k, sparse_attention, uses_triton
+from ..kernels.dispatch import compress_one_token_each, fill_decode_index, index_top_k, sparse_attention
 from ..kernels.kv_format import PoolFormats, RowFormat
 from ..kernels.selection import KVSelection
 from ..model.attention import Attention
-from ..model.compressor import Compressor, SoftmaxPool
+from ..model.compressor import BlockTargets, Compressor
 from ..model.indexer import Indexer
-from ..model.kernel_calls import compressor_decode_kernel
-from ..model.rope import apply_rope
 
 
 @dataclass(frozen=True)
@@ -114,28 +112,12 @@ class WindowIndex:
 
 @dataclass(frozen=True)
 class CompressorTargets:
-    """The pools one compressor ratio computes in a forward, and where they go.
+    """The pools one compressor ratio computes in a forward (:class:`~sglang_dsv4.model.compressor.BlockTargets`),
+    and where they go in the pool."""
 
-    A target pools positions ``lo .. hi - 1`` of one request (all inside one block),
-    merged with the request's partial block from its record where ``merges_record``.
-    The first ``touched`` targets are the blocks the forward touches, request by request
-    (entries of the complete ones; the last one of a request gives its new state); then one
-    per snapshot (the state at the snapshot's position).
-    """
-
-    tokens: torch.Tensor  # [targets, width]: forward row of each pooled position
-    valid: torch.Tensor  # [targets, width]
-    ape_slots: torch.Tensor  # [targets, width]: position % ratio
-    request: torch.Tensor  # [targets]: batch index
-    merges_record: torch.Tensor  # [targets]
-    previous_target: torch.Tensor  # [targets]: target pooling the block before (-1: in the record)
-    previous_in_record: torch.Tensor  # [targets]: the record's previous half exists (block > 0)
-    touched: int
+    blocks: BlockTargets
     entry_rows: torch.Tensor  # [touched]: entry row of a complete block, 0 otherwise
-    entry_positions: torch.Tensor  # [touched]: the block's first position (its entry's rope)
-    last_target: torch.Tensor  # [requests]: the touched target of each request's last block
-    ends_block: torch.Tensor  # [requests]: the forward ends exactly at a block end
-    snapshot_records: torch.Tensor  # [snapshots]
+    snapshot_records: torch.Tensor  # [snapshots]: checkpoint record of each snapshot
 
 
 @dataclass(frozen=True)
@@ -280,10 +262,12 @@ class DecodeGraphIndex:
 
     def build(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
         """Device side: the index of a decode batch (``rows``, ``seq_lens``: ``[n]`` device tensors)
-        in the buffers' first rows, with no host operation: on CUDA by the Triton kernels of
-        :mod:`~sglang_dsv4.kernels.decode_index` (three launches), elsewhere by :func:`build_decode_index`."""
-        if uses_triton(rows):
-            return self.build_in_kernels(rows, seq_lens)
+        in the buffers' first rows, with no host operation (:func:`~sglang_dsv4.kernels.dispatch.fill_decode_index`:
+        on CUDA :meth:`build_in_kernels`, elsewhere :meth:`build_in_torch`)."""
+        return fill_decode_index(self, rows, seq_lens)
+
+    def build_in_torch(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
+        """:meth:`build` by :func:`build_decode_index`, copied into the buffers."""
         pending = self.pending[rows.long()]  # [n, PENDING_PER_ROW, (position, record)]
         due = pending[..., 0] == seq_lens.long()[:, None]
         records = torch.where(due, pending[..., 1], 0).sum(-1)
@@ -302,9 +286,9 @@ class DecodeGraphIndex:
         compressors = {}
         for ratio, targets in index.compressors.items():
             reads = index.entries[ratio]
-            fields = _fields_of(targets) | _fields_of(reads)
+            fields = _fields_of(targets) | _fields_of(targets.blocks) | _fields_of(reads)
             fill_ratio_index(rows, seq_lens, self.pending, self.tables.entry_table[ratio], fields, ratio=ratio)
-            compressors[ratio] = replace(targets, touched=requests)
+            compressors[ratio] = replace(targets, blocks=replace(targets.blocks, touched=requests))
         owners = _tile_owners(list(range(requests)))
         return replace(index, compressors=compressors, tile_owners=owners)
 
@@ -421,46 +405,14 @@ def _window_index(batch: _Batch, window_table: torch.Tensor, window: int) -> Win
 
 
 def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int, sizes: _Sizes) -> CompressorTargets:
-    starts, ends, touched = batch.starts, batch.ends, sizes.touched
-    device = starts.device
-    first_block = starts // ratio
-    counts = (ends - 1) // ratio - first_block + 1
-    request = torch.repeat_interleave(torch.arange(len(starts), device=device), counts, output_size=touched)
-    first_target = torch.cumsum(counts, 0) - counts
-    block = first_block[request] + torch.arange(touched, device=device) - first_target[request]
-    lo = torch.maximum(starts[request], block * ratio)
-    hi = torch.minimum(ends[request], (block + 1) * ratio)
-    complete = hi == (block + 1) * ratio
-    previous = torch.where(block > first_block[request], torch.arange(touched, device=device) - 1, -1)
-
-    snap_request, snap_position = batch.snapshot_request, batch.snapshot_position
-    snap_block = snap_position // ratio
-    snap_previous = torch.where(
-        snap_block > first_block[snap_request],
-        first_target[snap_request] + snap_block - 1 - first_block[snap_request],
-        -1,
+    snapshots = (batch.snapshot_request, batch.snapshot_position)
+    blocks = BlockTargets.of(
+        batch.starts, batch.lengths, batch.offsets, snapshots, ratio, touched=sizes.touched, width=sizes.width
     )
-    all_request = torch.cat([request, snap_request])
-    all_block = torch.cat([block, snap_block])
-    all_lo = torch.cat([lo, torch.maximum(starts[snap_request], snap_block * ratio)])
-    all_hi = torch.cat([hi, snap_position])
-    pooled = all_lo[:, None] + torch.arange(sizes.width, device=device)
-    valid = pooled < all_hi[:, None]
-    return CompressorTargets(
-        tokens=torch.where(valid, batch.token_of(all_request[:, None], pooled), 0),
-        valid=valid,
-        ape_slots=pooled % ratio,
-        request=all_request,
-        merges_record=(all_block == first_block[all_request]) & (starts[all_request] % ratio > 0),
-        previous_target=torch.cat([previous, snap_previous]),
-        previous_in_record=all_block > 0,
-        touched=touched,
-        entry_rows=torch.where(complete, entry_table[batch.rows[request], block], 0),
-        entry_positions=block * ratio,
-        last_target=first_target + counts - 1,
-        ends_block=ends % ratio == 0,
-        snapshot_records=batch.snapshot_record,
-    )
+    request = blocks.request[: blocks.touched]
+    complete = batch.ends[request] >= blocks.entry_positions + ratio
+    entry_rows = torch.where(complete, entry_table[batch.rows[request], blocks.entry_positions // ratio], 0)
+    return CompressorTargets(blocks, entry_rows, batch.snapshot_record)
 
 
 def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all: bool, sizes: _Sizes) -> EntryReads:
@@ -491,14 +443,14 @@ def attend(
     layer: int,
     x: torch.Tensor,
     index: ForwardIndex,
-    pool: PoolStorage,
+    storage: PoolStorage,
     heads: slice = slice(None),
 ) -> torch.Tensor:
     """Attention of the forward's tokens ``x [tokens, hidden]`` before the output projection:
     ``[tokens, local heads, head_dim]`` for query heads ``heads`` (all by default; a tensor-parallel
     rank passes its own). Advances the layer's pools in place."""
     q_residual, q, kv, cos, sin = attention.project(x, index.positions)
-    window_rows, formats = pool.window[layer], pool.formats
+    window_rows, formats = storage.window[layer], storage.formats
     # The chunk's own tokens are read as stored, as the forwards after it read them from the pool.
     stored = formats.entries.encode(kv)
     earlier = formats.entries.decode(window_rows[index.window.previous_slots], kv.dtype)
@@ -507,18 +459,18 @@ def attend(
     window = KVSelection(staged, index.window.indices, index.window.lengths)
     compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
     if attention.compressor is not None:
-        entries = _Rows(pool.compressed[(layer, "entries")], formats.entries)
+        entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
         reads = index.entries[attention.compressor.ratio]
-        _advance(attention.compressor, x, index, entries, _records(pool, (layer, "compressor")))
+        _advance(attention.compressor, x, index, entries, _records(storage, (layer, "compressor")))
         if attention.indexer is None:
-            compressed = KVSelection(entries.pool, reads.per_token, reads.visible, entries.row_format)
+            compressed = KVSelection(entries.rows, reads.per_token, reads.visible, entries.row_format)
         else:
-            keys = _Rows(pool.compressed[(layer, "indexer_keys")], formats.indexer_keys)
-            _advance(attention.indexer.compressor, x, index, keys, _records(pool, (layer, "indexer")))
-            chosen = select_entries(attention.indexer, x, q_residual, index, keys.pool, keys.row_format)
+            keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
+            _advance(attention.indexer.compressor, x, index, keys, _records(storage, (layer, "indexer")))
+            chosen = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
             rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)]
             selected = (chosen >= 0).sum(-1, dtype=torch.int32)
-            compressed = KVSelection(entries.pool, rows.to(torch.int32), selected, entries.row_format)
+            compressed = KVSelection(entries.rows, rows.to(torch.int32), selected, entries.row_format)
     sink = attention.attn_sink[heads].float()
     return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
 
@@ -543,9 +495,9 @@ def select_entries(
 
 @dataclass(frozen=True)
 class _Rows:
-    """One compressed pool of a layer (entries or indexer keys) and how its rows are stored."""
+    """A layer's compressed entries or indexer keys: the pool's rows, and how they are stored."""
 
-    pool: torch.Tensor
+    rows: torch.Tensor
     row_format: RowFormat
 
 
@@ -556,106 +508,47 @@ class _StateRecords:
     checkpoint: torch.Tensor
 
 
-def _records(pool: PoolStorage, key: tuple[int, str]) -> _StateRecords:
-    return _StateRecords(pool.state[key], pool.previous_state[key], pool.checkpoint_state[key])
+def _records(storage: PoolStorage, key: tuple[int, str]) -> _StateRecords:
+    return _StateRecords(storage.state[key], storage.previous_state[key], storage.checkpoint_state[key])
 
 
-def _advance(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
-) -> None:
-    """Run the compressor over the forward: entry rows of complete blocks, new states, snapshots.
+def _advance(compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: _Rows, records: _StateRecords) -> None:
+    """Run the compressor over the forward: the entry rows of complete blocks (in ``out``: the layer's
+    compressed entries, or its indexer keys for the indexer's compressor), new states, snapshots.
 
-    A decode forward on CUDA runs the Triton decode kernel (:func:`_advance_one_token_each`); every
-    other forward, and the CPU, the batched torch pools (:func:`_advance_pooled`, the kernel's reference).
+    The record one step back is saved first. A decode forward advances each request by its one token
+    (:func:`_advance_one_token_each`: the Triton decode kernel on CUDA); every other forward pools its
+    blocks in torch (:func:`_advance_pooled`).
     """
-    if index.one_token_each and uses_triton(x):
-        _advance_one_token_each(compressor, x, index, entries, records)
+    records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
+    if index.one_token_each:
+        _advance_one_token_each(compressor, x, index, out, records)
     else:
-        _advance_pooled(compressor, x, index, entries, records)
+        _advance_pooled(compressor, x, index, out, records)
 
 
 def _advance_one_token_each(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: _Rows, records: _StateRecords
 ) -> None:
-    """:func:`_advance` of a decode forward through the compressor's decode kernel, which advances the
-    state records in place: the record one step back is saved before it, the snapshot (the state after
-    the token, the only position a decode row can take one at) copied after it."""
+    """:func:`_advance` of a decode forward (:func:`~sglang_dsv4.kernels.dispatch.compress_one_token_each`),
+    which advances the state records in place; the snapshot (the state after the token, the only position a
+    decode row can take one at) is copied after it."""
     targets = index.compressors[compressor.ratio]
-    records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
-    new_entries = compressor_decode_kernel(compressor, x, index.positions, records.state, index.rows)
-    entries.pool.index_copy_(0, targets.entry_rows, entries.row_format.encode(new_entries))
+    kv, gate = compressor.wkv(x), compressor.wgate(x)
+    new_entries = compress_one_token_each(
+        compressor, kv, gate, index.positions, records.state, index.rows, targets.blocks
+    )
+    out.rows.index_copy_(0, targets.entry_rows, out.row_format.encode(new_entries))
     records.checkpoint.index_copy_(0, targets.snapshot_records, records.state[index.rows])
 
 
 def _advance_pooled(
-    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, entries: _Rows, records: _StateRecords
+    compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: _Rows, records: _StateRecords
 ) -> None:
-    """:func:`_advance` in torch: the same pools as :meth:`~sglang_dsv4.model.compressor.Compressor.pool_reference`,
-    for every block the forward touches at once (see :class:`CompressorTargets`)."""
+    """:func:`_advance` of any forward in torch (:meth:`~sglang_dsv4.model.compressor.Compressor.pool_blocks`,
+    every block the forward touches at once)."""
     targets = index.compressors[compressor.ratio]
-    dim, touched = compressor.dim, targets.touched
-    kv, gate = compressor.wkv(x), compressor.wgate(x)
-    logits = (gate[targets.tokens] + compressor.ape[targets.ape_slots]).masked_fill(
-        ~targets.valid[..., None], float("-inf")
-    )
-    pooled = SoftmaxPool.of_slots(kv[targets.tokens], logits)  # [targets, series * dim]
-    old = records.state[index.rows]  # [requests, pools, 3, dim]
-    record = old[targets.request]
-    series = pooled.max.shape[-1]
-    later = _channels(pooled, slice(series - dim, series)).merge(_record_pool(record, 0, targets.merges_record))
-    if compressor.overlapping:
-        earlier = _channels(pooled, slice(0, dim)).merge(_record_pool(record, 1, targets.merges_record))
-        in_record = _record_pool(record, 2, targets.previous_in_record)
-        previous = _where(targets.previous_target >= 0, earlier[targets.previous_target.clamp(min=0)], in_record)
-        entry_pools = previous[:touched].merge(later[:touched])
-    else:
-        entry_pools = later[:touched]
-    new_entries = compressor.norm(entry_pools.value().to(x.dtype))
-    cos, sin = compressor.rotary.cos_sin(targets.entry_positions)
-    entries.pool.index_copy_(0, targets.entry_rows, entries.row_format.encode(apply_rope(new_entries, cos, sin)))
-
-    last, ends_block = targets.last_target, targets.ends_block
-    empty = SoftmaxPool.empty((len(last), dim), x.device)
-    snapshots = slice(touched, None)
-    if compressor.overlapping:
-        final = [
-            _where(ends_block, empty, later[last]),
-            _where(ends_block, empty, earlier[last]),
-            _where(ends_block, earlier[last], previous[last]),
-        ]
-        at_snapshots = [later[snapshots], earlier[snapshots], previous[snapshots]]
-    else:
-        final = [_where(ends_block, empty, later[last])]
-        at_snapshots = [later[snapshots]]
-    records.previous.index_copy_(0, index.single_step_rows, old)
-    records.state.index_copy_(0, index.rows, _as_record(final))
-    records.checkpoint.index_copy_(0, targets.snapshot_records, _as_record(at_snapshots))
-
-
-def _channels(pools: SoftmaxPool, channels: slice) -> SoftmaxPool:
-    return SoftmaxPool(pools.max[..., channels], pools.denom[..., channels], pools.weighted[..., channels])
-
-
-def _record_pool(record: torch.Tensor, pool: int, present: torch.Tensor) -> SoftmaxPool:
-    """Pool ``pool`` of state records ``[n, pools, 3, dim]`` where ``present``, an empty pool elsewhere
-    (whatever the record holds there: a row's record is never reset)."""
-    present = present[:, None]
-    return SoftmaxPool(
-        torch.where(present, record[:, pool, 0], float("-inf")),
-        torch.where(present, record[:, pool, 1], 0.0),
-        torch.where(present, record[:, pool, 2], 0.0),
-    )
-
-
-def _where(condition: torch.Tensor, a: SoftmaxPool, b: SoftmaxPool) -> SoftmaxPool:
-    condition = condition[:, None]
-    return SoftmaxPool(
-        torch.where(condition, a.max, b.max),
-        torch.where(condition, a.denom, b.denom),
-        torch.where(condition, a.weighted, b.weighted),
-    )
-
-
-def _as_record(pools: list[SoftmaxPool]) -> torch.Tensor:
-    """State records ``[n, pools, 3, dim]`` (the pool layout: max, denominator, weighted sum)."""
-    return torch.stack([torch.stack([p.max, p.denom, p.weighted], dim=1) for p in pools], dim=1)
+    pooled = compressor.pool_blocks(compressor.wkv(x), compressor.wgate(x), targets.blocks, records.state[index.rows])
+    out.rows.index_copy_(0, targets.entry_rows, out.row_format.encode(pooled.entries))
+    records.state.index_copy_(0, index.rows, pooled.state)
+    records.checkpoint.index_copy_(0, targets.snapshot_records, pooled.snapshots)

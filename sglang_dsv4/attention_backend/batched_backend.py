@@ -83,6 +83,6 @@ def batch_plan(checkpoints: Checkpoints, forward_batch: ForwardBatch) -> batched
     snapshots = [
         batched.Snapshot(i, checkpoint.position, checkpoint.record)
         for i, span in enumerate(spans)
-        for checkpoint in checkpoints.between(span.request, span.start, span.start + span.length)
+        for checkpoint in checkpoints.between(span.row, span.start, span.start + span.length)
     ]
-    return batched.BatchPlan([s.request for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots)
+    return batched.BatchPlan([s.row for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots)

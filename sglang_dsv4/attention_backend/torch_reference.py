@@ -22,9 +22,10 @@ NAME = "dsv4_torch"
 
 @dataclass(frozen=True)
 class RequestSpan:
-    """One request's new tokens in a batch: rows ``offset .. offset + length`` from position ``start``."""
+    """One request's new tokens in a batch: its request row ``row`` (SGLang's ``req_pool_idx``) runs
+    positions ``start ..``, forward rows ``offset .. offset + length``."""
 
-    request: int  # req_pool_idx
+    row: int
     start: int
     length: int
     offset: int
@@ -60,21 +61,21 @@ class TorchReferenceBackend(V4PoolBackend):
             return out
         storage = self.token_to_kv_pool.storage
         for span, pieces in zip(self.spans, self.pieces, strict=True):
-            state = storage.load(layer, span.request, span.start, x.dtype)
+            state = storage.load(layer, span.row, span.start, x.dtype)
             start = span.start
             for piece_end, checkpoint in pieces:
                 rows = slice(span.offset + start - span.start, span.offset + piece_end - span.start)
                 out[rows] = attention(x[rows], start, state)
-                storage.store(layer, span.request, start, piece_end, state)
+                storage.store(layer, span.row, start, piece_end, state)
                 if checkpoint is not None:
-                    storage.snapshot(layer, span.request, checkpoint.record)
+                    storage.snapshot(layer, span.row, checkpoint.record)
                 start = piece_end
         return out
 
     def _pieces(self, span: RequestSpan) -> list[tuple[int, Checkpoint | None]]:
         """Where the span's pieces end, each with the checkpoint taken there (or None)."""
         end = span.start + span.length
-        snapshots = self.token_to_kv_pool.checkpoints.between(span.request, span.start, end)
+        snapshots = self.token_to_kv_pool.checkpoints.between(span.row, span.start, end)
         pieces = [(c.position, c) for c in snapshots]
         if not pieces or pieces[-1][0] != end:
             pieces.append((end, None))
@@ -83,16 +84,16 @@ class TorchReferenceBackend(V4PoolBackend):
 
 def request_spans(forward_batch: ForwardBatch) -> list[RequestSpan]:
     """Where each request's new tokens sit in the batch and at which position they start."""
-    requests = forward_batch.req_pool_indices.tolist()
+    rows = forward_batch.req_pool_indices.tolist()
     if forward_batch.forward_mode.is_decode_or_idle():
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         starts = [n - 1 for n in seq_lens.tolist()]
-        lengths = [1] * len(requests)
+        lengths = [1] * len(rows)
     else:
         starts = list(forward_batch.extend_prefix_lens_cpu)
         lengths = list(forward_batch.extend_seq_lens_cpu)
     spans, offset = [], 0
-    for request, start, length in zip(requests, starts, lengths, strict=True):
-        spans.append(RequestSpan(request, int(start), int(length), offset))
+    for row, start, length in zip(rows, starts, lengths, strict=True):
+        spans.append(RequestSpan(row, int(start), int(length), offset))
         offset += int(length)
     return spans

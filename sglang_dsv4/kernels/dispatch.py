@@ -1,15 +1,18 @@
 """The one place that chooses between this package's Triton kernels and their torch implementations.
 
 :func:`uses_triton` is the choice: the Triton kernels (and torch's CUDA grouped GEMM) for tensors
-on a CUDA device, the batched torch implementations everywhere else. Every caller that has both
-asks it, here for the tensor-level operations and in :mod:`sglang_dsv4.model.kernel_calls` for
-the network's modules; no other file checks a device. The kernel modules (and Triton) are
-imported only on the CUDA path, so CPU hosts never need them.
+on a CUDA device, the torch implementations everywhere else; every operation that has both is a
+function here, and no other file checks a device. The tensor-level operations' torch paths live in
+``kernels/``; the network's modules (mHC, the compressor, attention, the indexer) come in as the
+protocols below, which name what their kernels read and their own torch path, so that nothing here
+imports the network. The kernel modules (and Triton) are imported only on the CUDA path, so CPU
+hosts never need them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +24,235 @@ from .selection import KVSelection
 def uses_triton(tensor: torch.Tensor) -> bool:
     """Whether operations on ``tensor`` run the Triton kernels: on a CUDA device."""
     return tensor.device.type == "cuda"
+
+
+# --- the network's modules ----------------------------------------------------------------------
+
+
+class Norm(Protocol):
+    """An RMSNorm (:class:`~sglang_dsv4.model.norms.RMSNorm`)."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Mixing(Protocol):
+    """The mHC around one sublayer (:class:`~sglang_dsv4.model.mhc.HyperConnection`)."""
+
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    sinkhorn_iters: int
+    hc_eps: float
+    norm_eps: float
+
+    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def mhc_pre(hc: Mixing, norm: Norm, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A sublayer's input ``norm(collapse(streams))`` and its mixing weights ``(x, post, comb)``."""
+    if uses_triton(streams):
+        from . import mhc
+
+        return mhc.fused_pre(streams, _mixing_weights(hc), norm.weight, norm.eps)
+    x, post, comb = hc.pre(streams)
+    return norm(x), post, comb
+
+
+def mhc_post_pre(
+    output: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    next_hc: Mixing,
+    next_norm: Norm,
+) -> tuple[torch.Tensor, ...]:
+    """A sublayer's post and the next sublayer's pre: ``(new streams, next x, next post, next comb)``."""
+    if uses_triton(streams):
+        from . import mhc
+
+        return mhc.fused_post_pre(
+            output, streams, post, comb, _mixing_weights(next_hc), next_norm.weight, next_norm.eps
+        )
+    new_streams = mix_post(output, streams, post, comb)
+    return (new_streams, *mhc_pre(next_hc, next_norm, new_streams))
+
+
+def mhc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """A sublayer's post alone: the new streams (:func:`mix_post`)."""
+    if uses_triton(streams):
+        from . import mhc
+
+        return mhc.fused_post(output, streams, post, comb)
+    return mix_post(output, streams, post, comb)
+
+
+def mix_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams in torch: ``post[k] * output + sum_j comb[j, k] * streams[j]`` (it reads no parameter)."""
+    dtype = streams.dtype
+    mixed = torch.einsum("ljk,ljd->lkd", comb.to(dtype), streams)
+    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(1) + mixed
+
+
+def _mixing_weights(hc: Mixing):
+    from .mhc import MixingWeights
+
+    return MixingWeights(hc.fn, hc.base, hc.scale, hc.sinkhorn_iters, hc.hc_eps, hc.norm_eps)
+
+
+class Rotary(Protocol):
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor: ...
+
+
+class Compressor(Protocol):
+    """A KV compressor (:class:`~sglang_dsv4.model.compressor.Compressor`) and its torch paths."""
+
+    ape: torch.Tensor
+    norm: Norm
+    rotary: Rotary
+    ratio: int
+    overlapping: bool
+
+    def pool_chunk(self, kv: torch.Tensor, gate: torch.Tensor, start: int, record: torch.Tensor) -> torch.Tensor: ...
+
+    def pool_one_token_each(
+        self, kv: torch.Tensor, gate: torch.Tensor, targets: Any, records: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def compress_chunk(
+    compressor: Compressor, kv: torch.Tensor, gate: torch.Tensor, start: int, record: torch.Tensor
+) -> torch.Tensor:
+    """One request's tokens ``start .. start + len(kv) - 1`` from their projections (``kv``, ``gate``
+    ``[tokens, series * dim]``), its state record ``record [1, pools, 3, dim]`` advanced in place: the
+    entries of the blocks they complete (the Triton extend kernel, or :meth:`Compressor.pool_chunk`)."""
+    if uses_triton(kv):
+        from .compressor import compress_extend
+
+        rows = torch.zeros(1, dtype=torch.int32, device=kv.device)
+        return compress_extend(kv, gate, [start], [kv.shape[0]], record, rows, _compressor_weights(compressor, kv))
+    return compressor.pool_chunk(kv, gate, start, record)
+
+
+def compress_one_token_each(
+    compressor: Compressor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    records: torch.Tensor,
+    rows: torch.Tensor,
+    targets: Any,
+) -> torch.Tensor:
+    """One token per request at ``positions`` (projections ``[requests, series * dim]``), the state
+    records ``records[rows]`` (the V4 pool's ``[rows, pools, 3, dim]``) advanced in place: each request's
+    entry, unused where its token does not complete a block. The Triton decode kernel (graph-capturable),
+    or :meth:`Compressor.pool_one_token_each` over the forward's ``targets``."""
+    if uses_triton(kv):
+        from .compressor import compress_decode
+
+        return compress_decode(kv, gate, positions, records, rows, _compressor_weights(compressor, kv))
+    return compressor.pool_one_token_each(kv, gate, targets, records, rows)
+
+
+def _compressor_weights(compressor: Compressor, x: torch.Tensor):
+    from .compressor import CompressorWeights
+
+    return CompressorWeights(
+        ape=compressor.ape,
+        norm_weight=compressor.norm.weight,
+        norm_eps=compressor.norm.eps,
+        inv_freq=compressor.rotary.inv_freq_on(x.device),
+        ratio=compressor.ratio,
+        overlapping=compressor.overlapping,
+    )
+
+
+class Attention(Protocol):
+    """A V4 attention (:class:`~sglang_dsv4.model.attention.Attention`) and its torch path."""
+
+    head_dim: int
+    attn_sink: torch.Tensor
+
+    def attend_reference(
+        self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def attend_visible(
+    attention: Attention,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    raw_count: int,
+    visible: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The attention's softmax over ``keys`` (the window's ``raw_count`` rows, then the entries) where
+    ``visible [L, len(keys)]``, and the sink; inverse rope on the output, ``[L, heads, head_dim]``.
+
+    The Triton kernel does all of it in one pass; the torch path is :meth:`Attention.attend_reference`."""
+    if uses_triton(q):
+        from .attention import attend_visible as kernel
+
+        scale = attention.head_dim**-0.5
+        return kernel(q, keys, raw_count, visible, attention.attn_sink, cos, sin, scale=scale)
+    return attention.attend_reference(q, keys, visible, cos, sin)
+
+
+class Indexer(Protocol):
+    """A lightning indexer (:class:`~sglang_dsv4.model.indexer.Indexer`) and its torch path."""
+
+    head_dim: int
+    topk: int
+
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def select_reference(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+def select_visible(
+    indexer: Indexer,
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """Boolean ``[L, len(keys)]``: the indexer's top-k of each query's visible keys (scoring, then an
+    exact top-k, in Triton; :meth:`Indexer.select_reference` in torch)."""
+    if uses_triton(x):
+        from .indexer import select_visible as kernel
+
+        q, head_weights = indexer.queries(x, q_residual, positions)
+        return kernel(q, head_weights, keys, visible, indexer.topk, scale=indexer.head_dim**-0.5)
+    return indexer.select_reference(x, q_residual, positions, keys, visible)
+
+
+class DecodeIndex(Protocol):
+    """A CUDA graph's decode index, built in place two ways
+    (:class:`~sglang_dsv4.attention_backend.batched.DecodeGraphIndex`)."""
+
+    def build_in_kernels(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any: ...
+
+    def build_in_torch(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any: ...
+
+
+def fill_decode_index(index: DecodeIndex, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any:
+    """A decode batch's index in the graph's buffers: the Triton kernels of :mod:`.decode_index` (three
+    launches), or the torch build."""
+    if uses_triton(rows):
+        return index.build_in_kernels(rows, seq_lens)
+    return index.build_in_torch(rows, seq_lens)
+
+
+# --- tensors ---------------------------------------------------------------------------------------
 
 
 def sparse_attention(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import DeepseekV4Config
-from ..model.compressor import CompressorState, SoftmaxPool
+from ..model.compressor import CompressorState
 from ..model.state import LayerState
 from .layout import STATE_DTYPE, PoolLayout, StateBuffer
 from .request_tables import RequestTables
@@ -98,68 +98,62 @@ class V4PoolStorage:
 
     # --- state records ---------------------------------------------------------------------
 
-    def save_record(self, request: int, record: int, *, one_step_back: bool = False) -> None:
+    def save_record(self, row: int, record: int, *, one_step_back: bool = False) -> None:
         """Copy the row's state records (every layer's, or those one token back) into checkpoint record ``record``."""
         source = self.previous_state if one_step_back else self.state
         for key, records in source.items():
-            self.checkpoint_state[key][record] = records[request]
+            self.checkpoint_state[key][record] = records[row]
 
-    def restore_record(self, request: int, record: int) -> None:
+    def restore_record(self, row: int, record: int) -> None:
         """The row continues from checkpoint record ``record``."""
         for key, records in self.state.items():
-            records[request] = self.checkpoint_state[key][record]
+            records[row] = self.checkpoint_state[key][record]
 
-    def snapshot(self, layer: int, request: int, record: int) -> None:
-        """Copy the layer's state records of ``request`` into checkpoint record ``record``."""
+    def snapshot(self, layer: int, row: int, record: int) -> None:
+        """Copy the layer's state records of row ``row`` into checkpoint record ``record``."""
         for (record_layer, kind), records in self.state.items():
             if record_layer == layer:
-                self.checkpoint_state[(layer, kind)][record] = records[request]
+                self.checkpoint_state[(layer, kind)][record] = records[row]
 
     # --- one request's layer state (the torch reference) -------------------------------------
 
-    def load(self, layer: int, request: int, start: int, dtype: torch.dtype) -> LayerState:
-        """The layer's state of ``request`` after ``start`` tokens, its KV in the compute ``dtype``."""
+    def load(self, layer: int, row: int, start: int, dtype: torch.dtype) -> LayerState:
+        """The layer's state of row ``row`` after ``start`` tokens, its KV in the compute ``dtype``."""
         first = max(0, start - self.config.sliding_window)
-        window = self.formats.entries.decode(self.window[layer][self.tables.window_rows(request, first, start)], dtype)
+        window = self.formats.entries.decode(self.window[layer][self.tables.window_rows(row, first, start)], dtype)
         return LayerState(
             window,
-            self._load_compressor(layer, "entries", "compressor", request, start, dtype),
-            self._load_compressor(layer, "indexer_keys", "indexer", request, start, dtype),
+            self._load_compressor(layer, "entries", "compressor", row, start, dtype),
+            self._load_compressor(layer, "indexer_keys", "indexer", row, start, dtype),
             stored_as=self.formats,
         )
 
-    def store(self, layer: int, request: int, start: int, end: int, state: LayerState) -> None:
+    def store(self, layer: int, row: int, start: int, end: int, state: LayerState) -> None:
         """Write back the state a forward of tokens ``start .. end - 1`` advanced to."""
         # Only the new tokens' rows changed; positions the row keeps no slot for are skipped.
-        slots = self.tables.window_rows(request, start, end)
+        slots = self.tables.window_rows(row, start, end)
         kept = slots > 0
         self.window[layer][slots[kept]] = self.formats.entries.encode(state.added[kept])
-        self._store_compressor(layer, "entries", "compressor", request, start, end, state.compressor)
-        self._store_compressor(layer, "indexer_keys", "indexer", request, start, end, state.indexer)
+        self._store_compressor(layer, "entries", "compressor", row, start, end, state.compressor)
+        self._store_compressor(layer, "indexer_keys", "indexer", row, start, end, state.indexer)
 
     def _load_compressor(
-        self, layer: int, kind: str, state_kind: str, request: int, start: int, dtype: torch.dtype
+        self, layer: int, kind: str, state_kind: str, row: int, start: int, dtype: torch.dtype
     ) -> CompressorState | None:
         key = (layer, kind)
         if key not in self.compressed:
             return None
         ratio = self.ratio[key]
-        rows = self.compressed[key][self.tables.entries(request, ratio, 0, start // ratio)]
+        rows = self.compressed[key][self.tables.entries(row, ratio, 0, start // ratio)]
         entries = self.row_formats[key].decode(rows, dtype)
-        record = self.state[(layer, state_kind)][request]
+        record = self.state[(layer, state_kind)][row].clone()
         if start == 0:  # a new request: whatever the row held belongs to an earlier one
-            record = torch.zeros_like(record)
+            record.zero_()
             record[:, 0] = float("-inf")
-        pools = [
-            SoftmaxPool(record[i, 0].clone(), record[i, 1].clone(), record[i, 2].clone()) for i in range(len(record))
-        ]
-        if len(pools) == 1:
-            return CompressorState(entries, pools[0], None, None)
-        current, next_half, previous_half = pools
-        return CompressorState(entries, current, next_half, previous_half)
+        return CompressorState.of_record(entries, record)
 
     def _store_compressor(
-        self, layer: int, kind: str, state_kind: str, request: int, start: int, end: int, state: CompressorState | None
+        self, layer: int, kind: str, state_kind: str, row: int, start: int, end: int, state: CompressorState | None
     ) -> None:
         if state is None:
             return
@@ -167,11 +161,9 @@ class V4PoolStorage:
         ratio = self.ratio[key]
         first_new, total = start // ratio, state.entries.shape[0]
         if total > first_new:
-            rows = self.tables.entries(request, ratio, first_new, total)
+            rows = self.tables.entries(row, ratio, first_new, total)
             self.compressed[key][rows] = self.row_formats[key].encode(state.entries[first_new:])
-        pools = [state.current] if state.next_half is None else [state.current, state.next_half, state.previous_half]
-        record = self.state[(layer, state_kind)][request]
+        records = self.state[(layer, state_kind)]
         if end - start == 1:  # keep the record one token back (see save_record)
-            self.previous_state[(layer, state_kind)][request] = record
-        for i, pool in enumerate(pools):
-            record[i, 0], record[i, 1], record[i, 2] = pool.max, pool.denom, pool.weighted
+            self.previous_state[(layer, state_kind)][row] = records[row]
+        records[row] = state.record()

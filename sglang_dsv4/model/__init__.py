@@ -1,6 +1,7 @@
 """The DeepSeek-V4 network in torch: modules, per-request state and checkpoint loader."""
 
-from .loader import CheckpointError, load_model
+from .checkpoint_check import load_model
+from .loader import CheckpointError
 from .network import DeepseekV4
 from .state import RequestState
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..kernels.dispatch import attend_visible
 from ..kernels.kv_format import RowFormat
 from .compressor import Compressor, CompressorState
 from .indexer import Indexer
-from .kernel_calls import attend_visible
 from .linears import Layers, WholeLayers
 from .norms import RMSNorm, rms_normalize
 from .rope import Rotary, apply_rope
@@ -124,6 +124,13 @@ class Attention(nn.Module):
             _read_as_stored(state.indexer, appended, formats.indexer_keys if formats is not None else None)
             visible = self.indexer.select(x, q_residual, positions, state.indexer, visible)
         return entries, visible
+
+    def attend_reference(
+        self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_attend`, then the inverse rope at the queries' ``cos, sin`` (the torch path of
+        :func:`~sglang_dsv4.kernels.dispatch.attend_visible`)."""
+        return apply_rope(self._attend(q, keys, visible), cos, sin, inverse=True)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Softmax over the visible keys and the sink; ``[L, heads, head_dim]``."""

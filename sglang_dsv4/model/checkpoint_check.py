@@ -12,6 +12,8 @@ a bad one is named before the loader has placed anything. What is checked:
   without an MTP layer; ``mtp.*`` under a config without one are skipped, as the loader skips them);
 * every quantized weight has its block scales, of the shape its blocks need;
 * every hash-routing table ``gate.tid2eid`` routes to experts that exist.
+
+:func:`load_model` checks a checkpoint so, then loads it (:mod:`.loader`).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import DeepseekV4Config
+from ..config import DeepseekV4Config, load_config
 from .loader import (
     CheckpointError,
     expected_scale_shape,
     is_quantized_dtype,
     is_skipped_mtp,
+    load_weights,
     mismatches,
+    read_safetensors,
     release_name,
     scale_stem,
     unstacked_experts,
@@ -53,6 +57,20 @@ class StoredTensor:
         """Its shape once dequantized: a packed FP4 weight holds two values an element."""
         packed = name.endswith(".weight") and is_quantized_dtype(self.dtype) and self.dtype != torch.float8_e4m3fn
         return (*self.shape[:-1], self.shape[-1] * 2) if packed else self.shape
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DeepseekV4:
+    """Build the network from ``path``'s ``config.json`` and load its safetensors, shard by shard, once
+    :func:`check_checkpoint` passed."""
+    config = check_checkpoint(path, load_config(path))
+    with torch.device("meta"):
+        model = DeepseekV4(config)
+    model = model.to_empty(device=device)
+    load_weights(model, read_safetensors(shard_files(path)), dtype=dtype)
+    model.eval()
+    return model
 
 
 def check_checkpoint(path: str | Path, config: DeepseekV4Config) -> DeepseekV4Config:

@@ -13,16 +13,25 @@ A partial block is never kept as raw tokens: the softmax pool is accumulated onl
 (:class:`SoftmaxPool`: per channel the running max, denominator and weighted sum),
 so the state behind a partial block costs O(dim) whatever its length, and prefill of
 any length, chunked prefill and decode all go through the same :meth:`Compressor.advance`.
+
+One implementation pools the blocks of any number of requests at once
+(:meth:`Compressor.pool_blocks`, over the :class:`BlockTargets` of a forward): the network's
+:meth:`Compressor.advance` runs it for one request, the batched attention core for a whole
+batch over the V4 pool's state records. A state record is one codec for both
+(:func:`as_record`, :func:`record_pools`): ``[pools, 3, dim]`` float32, per pool its max,
+denominator and weighted sum; the pools are ``current``, then ``next_half`` and
+``previous_half`` when overlapping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .kernel_calls import compressor_advance
+from ..kernels.dispatch import compress_chunk
 from .norms import RMSNorm
 from .rope import Rotary, apply_rope
 
@@ -65,8 +74,11 @@ class SoftmaxPool:
     def value(self) -> torch.Tensor:
         return self.weighted / self.denom
 
-    def __getitem__(self, index: int | slice) -> SoftmaxPool:
+    def __getitem__(self, index: int | slice | torch.Tensor) -> SoftmaxPool:
         return SoftmaxPool(self.max[index], self.denom[index], self.weighted[index])
+
+    def channels(self, channels: slice) -> SoftmaxPool:
+        return SoftmaxPool(self.max[..., channels], self.denom[..., channels], self.weighted[..., channels])
 
     def clone(self) -> SoftmaxPool:
         return SoftmaxPool(self.max.clone(), self.denom.clone(), self.weighted.clone())
@@ -85,6 +97,18 @@ def _rescale(old_max: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(old_max), torch.exp(old_max - _finite(new_max)), torch.zeros_like(old_max))
 
 
+def as_record(pools: Sequence[SoftmaxPool]) -> torch.Tensor:
+    """State records ``[..., pools, 3, dim]``: per pool its max, denominator and weighted sum."""
+    return torch.stack([torch.stack([p.max, p.denom, p.weighted], dim=-2) for p in pools], dim=-3)
+
+
+def record_pools(record: torch.Tensor) -> list[SoftmaxPool]:
+    """The pools of state records ``[..., pools, 3, dim]`` (views of them)."""
+    return [
+        SoftmaxPool(record[..., i, 0, :], record[..., i, 1, :], record[..., i, 2, :]) for i in range(record.shape[-3])
+    ]
+
+
 @dataclass
 class CompressorState:
     """A compressor's state at a token position.
@@ -100,6 +124,27 @@ class CompressorState:
     next_half: SoftmaxPool | None
     previous_half: SoftmaxPool | None
 
+    @staticmethod
+    def of_record(entries: torch.Tensor, record: torch.Tensor) -> CompressorState:
+        """The state with ``entries`` whose pools are state record ``record [pools, 3, dim]`` (views of it)."""
+        pools = record_pools(record)
+        if len(pools) == 1:
+            return CompressorState(entries, pools[0], None, None)
+        current, next_half, previous_half = pools
+        return CompressorState(entries, current, next_half, previous_half)
+
+    def record(self) -> torch.Tensor:
+        """The state record of the pools, ``[pools, 3, dim]``."""
+        pools = (self.current,) if self.next_half is None else (self.current, self.next_half, self.previous_half)
+        return as_record(pools)
+
+    def append(self, entries: torch.Tensor, record: torch.Tensor) -> int:
+        """Take a forward's new ``entries`` and the pools of its state record ``record``; returns how many entries."""
+        advanced = CompressorState.of_record(entries, record)
+        self.entries = torch.cat([self.entries, entries])
+        self.current, self.next_half, self.previous_half = advanced.current, advanced.next_half, advanced.previous_half
+        return entries.shape[0]
+
     def clone(self) -> CompressorState:
         return CompressorState(
             self.entries.clone(),
@@ -113,6 +158,101 @@ class CompressorState:
         """Bytes of the partial-block state (everything but the entries)."""
         pools = (self.current, self.next_half, self.previous_half)
         return sum(p.nbytes for p in pools if p is not None)
+
+
+@dataclass(frozen=True)
+class BlockTargets:
+    """The pools one compressor computes over a forward of one or more requests (batch indices).
+
+    A target pools positions ``lo .. hi - 1`` of one request (all inside one block), merged with
+    the request's partial block from its state record where ``merges_record``. The first
+    ``touched`` targets are the blocks the forward touches, request by request (the entries of
+    the complete ones; the last one of a request gives its new state); then one per snapshot
+    (the state at the snapshot's position).
+    """
+
+    tokens: torch.Tensor  # [targets, width]: forward row of each pooled position
+    valid: torch.Tensor  # [targets, width]
+    ape_slots: torch.Tensor  # [targets, width]: position % ratio
+    request: torch.Tensor  # [targets]: batch index
+    merges_record: torch.Tensor  # [targets]
+    previous_target: torch.Tensor  # [targets]: target pooling the block before (-1: in the record)
+    previous_in_record: torch.Tensor  # [targets]: the record's previous half exists (block > 0)
+    touched: int
+    entry_positions: torch.Tensor  # [touched]: the block's first position (its entry's rope)
+    last_target: torch.Tensor  # [requests]: the touched target of each request's last block
+    ends_block: torch.Tensor  # [requests]: the forward ends exactly at a block end
+
+    @staticmethod
+    def of(
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+        snapshots: tuple[torch.Tensor, torch.Tensor],
+        ratio: int,
+        *,
+        touched: int,
+        width: int,
+    ) -> BlockTargets:
+        """The targets of requests running positions ``starts[i] .. starts[i] + lengths[i] - 1`` from forward
+        row ``offsets[i]``, with snapshots ``(batch index, position)`` (``touched``: the blocks they touch,
+        ``width``: the most positions a target pools, host values)."""
+        ends = starts + lengths
+        device = starts.device
+        first_block = starts // ratio
+        counts = (ends - 1) // ratio - first_block + 1
+        request = torch.repeat_interleave(torch.arange(len(starts), device=device), counts, output_size=touched)
+        first_target = torch.cumsum(counts, 0) - counts
+        block = first_block[request] + torch.arange(touched, device=device) - first_target[request]
+        lo = torch.maximum(starts[request], block * ratio)
+        hi = torch.minimum(ends[request], (block + 1) * ratio)
+        previous = torch.where(block > first_block[request], torch.arange(touched, device=device) - 1, -1)
+
+        snap_request, snap_position = snapshots
+        snap_block = snap_position // ratio
+        snap_previous = torch.where(
+            snap_block > first_block[snap_request],
+            first_target[snap_request] + snap_block - 1 - first_block[snap_request],
+            -1,
+        )
+        all_request = torch.cat([request, snap_request])
+        all_block = torch.cat([block, snap_block])
+        all_lo = torch.cat([lo, torch.maximum(starts[snap_request], snap_block * ratio)])
+        all_hi = torch.cat([hi, snap_position])
+        pooled = all_lo[:, None] + torch.arange(width, device=device)
+        valid = pooled < all_hi[:, None]
+        rows = offsets[all_request, None] + pooled - starts[all_request, None]
+        return BlockTargets(
+            tokens=torch.where(valid, rows, 0),
+            valid=valid,
+            ape_slots=pooled % ratio,
+            request=all_request,
+            merges_record=(all_block == first_block[all_request]) & (starts[all_request] % ratio > 0),
+            previous_target=torch.cat([previous, snap_previous]),
+            previous_in_record=all_block > 0,
+            touched=touched,
+            entry_positions=block * ratio,
+            last_target=first_target + counts - 1,
+            ends_block=ends % ratio == 0,
+        )
+
+    @staticmethod
+    def of_chunk(start: int, length: int, ratio: int, device: torch.device) -> BlockTargets:
+        """The targets of one request running positions ``start .. start + length - 1``, no snapshot."""
+        starts, lengths, offsets = torch.tensor([[start], [length], [0]], device=device)
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        touched = (start + length - 1) // ratio - start // ratio + 1
+        return BlockTargets.of(starts, lengths, offsets, (none, none), ratio, touched=touched, width=min(ratio, length))
+
+
+@dataclass(frozen=True)
+class PooledBlocks:
+    """What :meth:`Compressor.pool_blocks` computes: the touched blocks' entries (normed and roped; those of
+    incomplete blocks unused), and the state records after the forward and at each snapshot."""
+
+    entries: torch.Tensor  # [touched, dim]
+    state: torch.Tensor  # [requests, pools, 3, dim]
+    snapshots: torch.Tensor  # [snapshots, pools, 3, dim]
 
 
 class Compressor(nn.Module):
@@ -144,84 +284,89 @@ class Compressor(nn.Module):
 
         Appends the entries of the blocks this completes to ``state.entries`` and
         returns how many were appended. On CUDA a Triton kernel pools the blocks
-        (:func:`sglang_dsv4.model.kernel_calls.compressor_advance`), elsewhere :meth:`advance_reference`.
+        (:func:`sglang_dsv4.kernels.dispatch.compress_chunk`), elsewhere :meth:`pool_chunk`.
         """
-        return compressor_advance(self, x, start, state)
-
-    def advance_reference(self, x: torch.Tensor, start: int, state: CompressorState) -> int:
-        """:meth:`advance` in torch."""
-        return self.pool_reference(self.wkv(x), self.wgate(x), start, state)
+        record = state.record()[None]
+        return state.append(compress_chunk(self, self.wkv(x), self.wgate(x), start, record), record[0])
 
     def pool_reference(self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState) -> int:
-        """:meth:`advance` from the projections ``kv = wkv(x)`` and ``gate = wgate(x)``."""
-        ratio, length = self.ratio, kv.shape[0]
-        offset = start % ratio
-        num_blocks = -(-(offset + length) // ratio)
-        complete = (offset + length) // ratio
-        positions = torch.arange(start, start + length, device=kv.device)
-        logits = gate + self.ape[positions % ratio]
-        # Lay the tokens out in their blocks' slots; slots outside the chunk are absent.
-        slots_kv = kv.new_zeros(num_blocks * ratio, kv.shape[-1])
-        slots_logits = logits.new_full((num_blocks * ratio, kv.shape[-1]), float("-inf"))
-        slots_kv[offset : offset + length] = kv
-        slots_logits[offset : offset + length] = logits
-        pools = SoftmaxPool.of_slots(slots_kv.view(num_blocks, ratio, -1), slots_logits.view(num_blocks, ratio, -1))
+        """:meth:`advance` in torch, from the projections ``kv = wkv(x)`` and ``gate = wgate(x)``."""
+        record = state.record()[None]
+        return state.append(self.pool_chunk(kv, gate, start, record), record[0])
+
+    def pool_chunk(self, kv: torch.Tensor, gate: torch.Tensor, start: int, record: torch.Tensor) -> torch.Tensor:
+        """One request's tokens ``start .. start + len(kv) - 1`` from their projections, its state record
+        ``record [1, pools, 3, dim]`` advanced in place: the entries of the blocks they complete."""
+        targets = BlockTargets.of_chunk(start, kv.shape[0], self.ratio, kv.device)
+        pooled = self.pool_blocks(kv, gate, targets, record)
+        record.copy_(pooled.state)
+        return pooled.entries[: (start + kv.shape[0]) // self.ratio - start // self.ratio]
+
+    def pool_one_token_each(
+        self, kv: torch.Tensor, gate: torch.Tensor, targets: BlockTargets, records: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per request (its projections ``kv``, ``gate`` ``[requests, series * dim]``), the requests'
+        state records ``records[rows]`` advanced in place: each request's entry (unused where its block is
+        incomplete)."""
+        pooled = self.pool_blocks(kv, gate, targets, records[rows])
+        records.index_copy_(0, rows, pooled.state)
+        return pooled.entries
+
+    def pool_blocks(
+        self, kv: torch.Tensor, gate: torch.Tensor, targets: BlockTargets, records: torch.Tensor
+    ) -> PooledBlocks:
+        """Every target's pool from the forward's projections ``kv``, ``gate`` ``[tokens, series * dim]`` and the
+        requests' state records ``records [requests, pools, 3, dim]`` (a pool the targets say is absent is not
+        read: a record is never reset)."""
+        dim, touched = self.dim, targets.touched
+        logits = (gate[targets.tokens] + self.ape[targets.ape_slots]).masked_fill(
+            ~targets.valid[..., None], float("-inf")
+        )
+        pooled = SoftmaxPool.of_slots(kv[targets.tokens], logits)  # [targets, series * dim]
+        record = records[targets.request]
+        series = pooled.max.shape[-1]
+        later = pooled.channels(slice(series - dim, series)).merge(_record_pool(record, 0, targets.merges_record))
         if self.overlapping:
-            entry_pools = self._advance_overlapping(pools, complete, state)
+            earlier = pooled.channels(slice(0, dim)).merge(_record_pool(record, 1, targets.merges_record))
+            in_record = _record_pool(record, 2, targets.previous_in_record)
+            previous = _where(targets.previous_target >= 0, earlier[targets.previous_target.clamp(min=0)], in_record)
+            entry_pools = previous[:touched].merge(later[:touched])
         else:
-            entry_pools = self._advance_disjoint(pools, complete, state)
-        if complete == 0:
-            return 0
+            entry_pools = later[:touched]
         entries = self.norm(entry_pools.value().to(kv.dtype))
-        first_block = start // ratio
-        block_starts = (torch.arange(complete, device=kv.device) + first_block) * ratio
-        cos, sin = self.rotary.cos_sin(block_starts)
-        state.entries = torch.cat([state.entries, apply_rope(entries, cos, sin)])
-        return complete
+        cos, sin = self.rotary.cos_sin(targets.entry_positions)
 
-    def _advance_disjoint(self, pools: SoftmaxPool, complete: int, state: CompressorState) -> SoftmaxPool:
-        pools = _merge_into_first(pools, state.current)
-        state.current = _partial_or_empty(pools, complete, self.dim)
-        return pools[:complete]
-
-    def _advance_overlapping(self, pools: SoftmaxPool, complete: int, state: CompressorState) -> SoftmaxPool:
-        dim = self.dim
-        earlier = _split_channels(pools, slice(0, dim))  # Ca: feeds the next block's entry
-        later = _split_channels(pools, slice(dim, 2 * dim))  # Cb: feeds its own block's entry
-        earlier = _merge_into_first(earlier, state.next_half)
-        later = _merge_into_first(later, state.current)
-        previous = _stack_pools(state.previous_half, earlier)  # block i pairs with previous[i]
-        entry_pools = previous[:complete].merge(later[:complete])
-        if complete:
-            state.previous_half = earlier[complete - 1]
-        state.current = _partial_or_empty(later, complete, dim)
-        state.next_half = _partial_or_empty(earlier, complete, dim)
-        return entry_pools
+        last, ends_block = targets.last_target, targets.ends_block
+        empty = SoftmaxPool.empty((len(last), dim), kv.device)
+        snapshots = slice(touched, None)
+        if self.overlapping:
+            final = [
+                _where(ends_block, empty, later[last]),
+                _where(ends_block, empty, earlier[last]),
+                _where(ends_block, earlier[last], previous[last]),
+            ]
+            at_snapshots = [later[snapshots], earlier[snapshots], previous[snapshots]]
+        else:
+            final = [_where(ends_block, empty, later[last])]
+            at_snapshots = [later[snapshots]]
+        return PooledBlocks(apply_rope(entries, cos, sin), as_record(final), as_record(at_snapshots))
 
 
-def _split_channels(pools: SoftmaxPool, channels: slice) -> SoftmaxPool:
-    return SoftmaxPool(pools.max[..., channels], pools.denom[..., channels], pools.weighted[..., channels])
-
-
-def _merge_into_first(pools: SoftmaxPool, partial: SoftmaxPool) -> SoftmaxPool:
-    """Fold the state's partial-block pool into the chunk's first block."""
-    first = pools[0].merge(partial)
+def _record_pool(record: torch.Tensor, pool: int, present: torch.Tensor) -> SoftmaxPool:
+    """Pool ``pool`` of state records ``[n, pools, 3, dim]`` where ``present``, an empty pool elsewhere
+    (whatever the record holds there: a row's record is never reset)."""
+    stored, present = record_pools(record)[pool], present[:, None]
     return SoftmaxPool(
-        torch.cat([first.max[None], pools.max[1:]]),
-        torch.cat([first.denom[None], pools.denom[1:]]),
-        torch.cat([first.weighted[None], pools.weighted[1:]]),
+        torch.where(present, stored.max, float("-inf")),
+        torch.where(present, stored.denom, 0.0),
+        torch.where(present, stored.weighted, 0.0),
     )
 
 
-def _stack_pools(head: SoftmaxPool, rest: SoftmaxPool) -> SoftmaxPool:
+def _where(condition: torch.Tensor, a: SoftmaxPool, b: SoftmaxPool) -> SoftmaxPool:
+    condition = condition[:, None]
     return SoftmaxPool(
-        torch.cat([head.max[None], rest.max]),
-        torch.cat([head.denom[None], rest.denom]),
-        torch.cat([head.weighted[None], rest.weighted]),
+        torch.where(condition, a.max, b.max),
+        torch.where(condition, a.denom, b.denom),
+        torch.where(condition, a.weighted, b.weighted),
     )
-
-
-def _partial_or_empty(pools: SoftmaxPool, complete: int, dim: int) -> SoftmaxPool:
-    if complete < pools.max.shape[0]:
-        return pools[complete].clone()
-    return SoftmaxPool.empty((dim,), pools.max.device)

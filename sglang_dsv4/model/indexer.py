@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..kernels.dispatch import select_visible
 from .compressor import Compressor, CompressorState
-from .kernel_calls import select_visible
 from .linears import Layers, WholeLayers
 from .rope import Rotary, apply_rope
 

@@ -29,7 +29,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..config import load_config
 from .block_formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4, dequantize_fp8
 from .network import DeepseekV4
 
@@ -85,21 +84,6 @@ def release_name(name: str) -> str:
     for pattern, replacement in _HF_TO_RELEASE + _MIXED_TO_RELEASE:
         name = re.sub(pattern, replacement, name)
     return name
-
-
-def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> DeepseekV4:
-    """Build the network from ``path``'s ``config.json`` and load its safetensors, shard by shard."""
-    from .checkpoint_check import check_checkpoint, shard_files
-
-    config = check_checkpoint(path, load_config(path))
-    with torch.device("meta"):
-        model = DeepseekV4(config)
-    model = model.to_empty(device=device)
-    load_weights(model, read_safetensors(shard_files(path)), dtype=dtype)
-    model.eval()
-    return model
 
 
 def read_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:

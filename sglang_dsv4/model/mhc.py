@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..kernels.dispatch import mix_post
 from .norms import rms_normalize
 
 
@@ -48,12 +49,9 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 
-    @staticmethod
-    def post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New streams: ``post[k] * output + sum_j comb[j, k] * streams[j]``."""
-        dtype = streams.dtype
-        mixed = torch.einsum("ljk,ljd->lkd", comb.to(dtype), streams)
-        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(1) + mixed
+    # New streams ``post[k] * output + sum_j comb[j, k] * streams[j]``: it reads no parameter, so its torch
+    # form is the kernels' own (dispatch.mhc_post chooses between it and the Triton kernel).
+    post = staticmethod(mix_post)
 
 
 def sinkhorn(matrix: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

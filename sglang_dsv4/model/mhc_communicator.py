@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .kernel_calls import mhc_post, mhc_post_pre, mhc_pre
+from ..kernels.dispatch import mhc_post, mhc_post_pre, mhc_pre
 from .mhc import HyperConnection
 from .norms import RMSNorm
 

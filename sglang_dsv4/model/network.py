@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
+from ..kernels.dispatch import mhc_post, mhc_post_pre, mhc_pre
 from ..moe import MoE
 from ..moe.experts import RoutedExperts
 from .attention import Attention
-from .kernel_calls import mhc_post, mhc_post_pre, mhc_pre
 from .linears import Layers, WholeLayers
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
@@ -165,7 +165,7 @@ def run_blocks(
     """The streams after every block; ``attend`` / ``feed_forward`` map ``(layer, block, normed input)`` to output.
 
     Each sublayer's mHC post is fused with the next sublayer's pre and input norm
-    (:func:`sglang_dsv4.model.kernel_calls.mhc_post_pre`), across block boundaries too.
+    (:func:`sglang_dsv4.kernels.dispatch.mhc_post_pre`), across block boundaries too.
     """
     streams, x, post, comb = residual.pre(layers[0].hc_attn, layers[0].attn_norm, streams)
     for layer, block in enumerate(layers):

@@ -40,7 +40,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     """Registered under the checkpoint's architecture name, ``DeepseekV4ForCausalLM``."""
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
-        from ..plugin import require_hooks_applied
+        from ..hooks import require_hooks_applied
 
         require_hooks_applied()
         super().__init__()

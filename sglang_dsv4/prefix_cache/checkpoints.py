@@ -38,8 +38,8 @@ NO_RECORD, NO_WINDOW_SLOTS = "records", "window_slots"
 
 
 class Checkpoints:
-    def __init__(self, storage: V4PoolStorage, entries: EntryOwnership):
-        self.storage, self.entries = storage, entries
+    def __init__(self, storage: V4PoolStorage, entry_ownership: EntryOwnership):
+        self.storage, self.entry_ownership = storage, entry_ownership
         # Checkpoints every this many tokens along a sequence (0: none), taken inside forwards,
         # and (when set) one token before the end of every prefill: where a retry of the same
         # prompt resumes (SGLang never matches a prompt's last token).
@@ -60,27 +60,27 @@ class Checkpoints:
             positions.add(end - 1)
         return sorted(positions)
 
-    def plan(self, request: int, position: int) -> None:
+    def plan(self, row: int, position: int) -> None:
         """A snapshot at ``position`` in the row's reserved forward, which holds its window and whose
         record is free (or, if none is, skipped)."""
-        checkpoint = self._new(request, position, self.storage.config.sliding_window)
+        checkpoint = self._new(row, position, self.storage.config.sliding_window)
         if checkpoint is not None:
-            self.pending.setdefault(request, []).append(checkpoint)
+            self.pending.setdefault(row, []).append(checkpoint)
 
-    def between(self, request: int, start: int, end: int) -> list[Checkpoint]:
+    def between(self, row: int, start: int, end: int) -> list[Checkpoint]:
         """The checkpoints a forward of ``start .. end - 1`` fills, in position order."""
-        return [c for c in self.pending.get(request, []) if start < c.position <= end]
+        return [c for c in self.pending.get(row, []) if start < c.position <= end]
 
-    def take(self, request: int, up_to: int) -> list[Checkpoint]:
+    def take(self, row: int, up_to: int) -> list[Checkpoint]:
         """The row's filled snapshots at positions up to ``up_to``, handed to the caller."""
-        pending = self.pending.get(request, [])
+        pending = self.pending.get(row, [])
         taken = [c for c in pending if c.position <= up_to]
-        self.pending[request] = [c for c in pending if c.position > up_to]
+        self.pending[row] = [c for c in pending if c.position > up_to]
         return taken
 
-    def drop_pending(self, request: int) -> None:
+    def drop_pending(self, row: int) -> None:
         """The row is freed: its snapshots not taken yet go."""
-        for checkpoint in self.pending.pop(request, []):
+        for checkpoint in self.pending.pop(row, []):
             self.release(checkpoint)
 
     def drop_newest(self) -> bool:
@@ -136,8 +136,8 @@ class Checkpoints:
 
     # --- a request's live state, and resuming --------------------------------------------------
 
-    def make(self, request: int, position: int, commit_all: bool = False) -> Checkpoint | None:
-        """A checkpoint of ``request`` at ``position`` from its live state, if the row still has it;
+    def make(self, row: int, position: int, commit_all: bool = False) -> Checkpoint | None:
+        """A checkpoint of row ``row`` at ``position`` from its live state, if the row still has it;
         with ``commit_all`` it also keeps every window slot the row holds before ``position``.
 
         The row's state is at ``position`` or, after one more single-token forward (SGLang's
@@ -145,23 +145,23 @@ class Checkpoints:
         its previous record is.
         """
         tables = self.storage.tables
-        if tables.position[request] == position:
+        if tables.position[row] == position:
             one_step_back = False
-        elif tables.position[request] == position + 1 and tables.last_step[request] == 1:
+        elif tables.position[row] == position + 1 and tables.last_step[row] == 1:
             one_step_back = True
         else:
             return None
         keep = position if commit_all else self.storage.config.sliding_window
-        checkpoint = self._new(request, position, keep)
+        checkpoint = self._new(row, position, keep)
         if checkpoint is not None:
-            self.storage.save_record(request, checkpoint.record, one_step_back=one_step_back)
+            self.storage.save_record(row, checkpoint.record, one_step_back=one_step_back)
         return checkpoint
 
-    def _new(self, request: int, position: int, window: int) -> Checkpoint | None:
+    def _new(self, row: int, position: int, window: int) -> Checkpoint | None:
         """A checkpoint sharing the row's window slots before ``position``, its record allocated,
         not yet written; none when the row no longer holds the window or no record can be had."""
         storage, sliding_window = self.storage, self.storage.config.sliding_window
-        slots = storage.tables.window_suffix(request, position, max(window, sliding_window))
+        slots = storage.tables.window_suffix(row, position, max(window, sliding_window))
         if len(slots) < min(position, sliding_window):
             return None
         record = storage.records.try_alloc(1)
@@ -171,14 +171,14 @@ class Checkpoints:
         storage.window_slots.share(slots)
         return Checkpoint(position, slots, int(record[0]))
 
-    def resume(self, request: int, checkpoint: Checkpoint, prefix_slots: torch.Tensor) -> None:
-        """Bind the free row ``request`` to continue from ``checkpoint``, whose prefix's token
+    def resume(self, row: int, checkpoint: Checkpoint, prefix_slots: torch.Tensor) -> None:
+        """Bind the free row ``row`` to continue from ``checkpoint``, whose prefix's token
         slots are ``prefix_slots`` (their blocks' entries are shared, not copied)."""
         position = checkpoint.position
-        entries = self.entries.of_prefix(prefix_slots, position)
+        entries = self.entry_ownership.of_prefix(prefix_slots, position)
         window = checkpoint.window[-self.storage.config.sliding_window :]
-        self.storage.tables.bind(request, position, window, entries)
-        self.storage.restore_record(request, checkpoint.record)
+        self.storage.tables.bind(row, position, window, entries)
+        self.storage.restore_record(row, checkpoint.record)
         checkpoint.touch()
 
     def trim_to_resumed_window(self, checkpoint: Checkpoint) -> bool:

@@ -20,26 +20,26 @@ class EntryOwnership:
         # Per ratio, the entry row of each block whose last token's slot the tree holds (0: none).
         self.of_slot = {r: torch.zeros(storage.tables.num_tokens + 1, dtype=torch.int64) for r in storage.entry_rows}
 
-    def commit(self, request: int, slots: torch.Tensor, first: int, last: int) -> None:
-        """The tree now holds token slots ``slots[first:last]`` of ``request``: each block ending
+    def commit(self, row: int, slots: torch.Tensor, first: int, last: int) -> None:
+        """The tree now holds token slots ``slots[first:last]`` of row ``row``: each block ending
         there keeps its entry row for as long as the slot lives."""
         tables, entry_rows = self.storage.tables, self.storage.entry_rows
         for ratio, ends in self._block_ends(first, last).items():
-            rows = tables.entry_table[ratio][request, (ends + 1) // ratio - 1]
+            rows = tables.entry_table[ratio][row, (ends + 1) // ratio - 1]
             entry_rows[ratio].share(rows)
             self.of_slot[ratio][slots[ends].long()] = rows
 
-    def adopt(self, request: int, slots: torch.Tensor, first: int, last: int) -> None:
-        """``request`` computed tokens ``first .. last - 1`` again while the tree already held them
+    def adopt(self, row: int, slots: torch.Tensor, first: int, last: int) -> None:
+        """Row ``row`` computed tokens ``first .. last - 1`` again while the tree already held them
         (at ``slots``): its entries of blocks ending there become the tree's, its own go back."""
         tables, entry_rows = self.storage.tables, self.storage.entry_rows
         for ratio, ends in self._block_ends(first, last).items():
             blocks = (ends + 1) // ratio - 1
-            ours = tables.entry_table[ratio][request, blocks]
+            ours = tables.entry_table[ratio][row, blocks]
             theirs = self.of_slot[ratio][slots[ends].long()]
             entry_rows[ratio].share(theirs)
             entry_rows[ratio].release(ours)
-            tables.write_entries(ratio, request, blocks, theirs)
+            tables.write_entries(ratio, row, blocks, theirs)
 
     def release_slots(self, slots: torch.Tensor) -> None:
         """The tree let token slots go: the entry rows they kept go with them."""

@@ -63,8 +63,8 @@ class NothingCached:
 class CacheManager:
     def __init__(self, storage: V4PoolStorage):
         self.storage, self.tables = storage, storage.tables
-        self.entries = EntryOwnership(storage)
-        self.checkpoints = Checkpoints(storage, self.entries)
+        self.entry_ownership = EntryOwnership(storage)
+        self.checkpoints = Checkpoints(storage, self.entry_ownership)
         self.window_policy: WindowPolicy = PER_REQUEST
         self.tree: Evictions = NothingCached()
 
@@ -187,7 +187,7 @@ class CacheManager:
         expected: dict[str, list[torch.Tensor]] = {
             "window_slots": [c.window for c in holders],
             "checkpoint_records": [torch.tensor([c.record]) for c in holders],
-            **{f"ratio_{r}_entries": [of_slot] for r, of_slot in self.entries.of_slot.items()},
+            **{f"ratio_{r}_entries": [of_slot] for r, of_slot in self.entry_ownership.of_slot.items()},
         }
         for row in range(tables.request_rows):
             if tables.bound[row]:

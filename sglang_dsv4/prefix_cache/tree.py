@@ -92,7 +92,7 @@ class V4RadixCache(RadixCache):
             self.manager.checkpoints.release(checkpoint)
         self.checkpoints.clear()
         if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
-            self.manager.entries.release_slots(self.all_values_flatten())
+            self.manager.entry_ownership.release_slots(self.all_values_flatten())
         super().reset()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -119,8 +119,8 @@ class V4RadixCache(RadixCache):
         # The row now reads the tree's slots; its own copies of them were freed by the insert,
         # and so go its entries of blocks the tree already had.
         self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
-        self.manager.entries.adopt(row, tree_slots, protected, max(existing, protected))
-        self.manager.entries.commit(row, tree_slots, max(existing, protected), len(tree_slots))
+        self.manager.entry_ownership.adopt(row, tree_slots, protected, max(existing, protected))
+        self.manager.entry_ownership.commit(row, tree_slots, max(existing, protected), len(tree_slots))
         req.kv.cache_protected_len = len(tree_slots)
         self.unlock(req.lock)
         req.lock = self.lock(node)
@@ -220,7 +220,7 @@ class V4RadixCache(RadixCache):
         if checkpoint is not None:
             self.evictions["with_tokens"] += 1
             self.manager.checkpoints.release(checkpoint)
-        self.manager.entries.release_slots(node.value)
+        self.manager.entry_ownership.release_slots(node.value)
         super()._delete_leaf(node)
 
     def evict_some_tokens(self) -> bool:

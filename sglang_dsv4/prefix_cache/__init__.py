@@ -10,8 +10,8 @@ server. That route takes numbers only, so each mode is sent as its index in
                                               "dsv4_window_policy": 1}}  # all_committed
 
 ``dsv4_checkpoint_retention`` (0: by worth, the default; 1: plain LRU) is there to measure the
-retention rule against the behaviour before it. SGLang answers ``[true]`` (one flag per scheduler); ``/server_info`` reads the modes back,
-by name, under ``dsv4_prefix_cache``.
+retention rule against the behaviour before it. SGLang answers ``[true]`` (one flag per scheduler);
+``/server_info`` reads the modes back, by name, under ``dsv4_prefix_cache``.
 """
 
 from __future__ import annotations

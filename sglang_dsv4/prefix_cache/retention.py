@@ -55,6 +55,8 @@ class Standing:
 
 
 class ByWorth:
+    """The rule above (the default)."""
+
     name = "worth"
     marks_superseded = True
 
@@ -63,6 +65,8 @@ class ByWorth:
 
 
 class LeastRecentlyUsed:
+    """The least recently used checkpoint goes first; nothing is superseded (the baseline)."""
+
     name = "lru"
     marks_superseded = False
 

@@ -21,7 +21,8 @@ breaks a running request; one on a locked node (a request between its match and 
 allocation) is never evicted. The tree reaches the pool only through the cache manager
 (:class:`~.manager.CacheManager`), which is bound to it: under row pressure the manager
 asks for the checkpoint worth least back (:meth:`V4RadixCache.evict_one_checkpoint`, :mod:`.retention`)
-before any persistent KV goes; SGLang evicts token slots (and the checkpoints of the leaves
+before any persistent KV goes (under ``per_request`` those a request resumes past go as it
+resumes); SGLang evicts token slots (and the checkpoints of the leaves
 it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
 (the manager counts it); a request whose own window slots cannot be had waits or is
 retracted (:mod:`.admission`).
@@ -185,7 +186,8 @@ class V4RadixCache(RadixCache):
         self.held_back[reason] += 1
 
     def evict_one_checkpoint(self) -> bool:
-        """Release the checkpoint worth least (:mod:`.retention`) that no request holds its lock on."""
+        """Release the checkpoint worth least (:mod:`.retention`; under ``lru`` the least recently used)
+        that no request holds its lock on."""
         standings = self._standings()
         order = self.retention.order
         candidates = [(order(standings[n]), id(n), n) for n in self.checkpoints if not _anchored(n)]

@@ -14,6 +14,13 @@ Traces, scaled for a CPU (said in the output): the recorded sessions of
 through ``sglang_dsv4.agentperf``'s loaders.
 
     python benchmarks/prefix_reuse.py [--sessions 6] [--concurrency 3] [--out benchmarks/prefix_reuse.md]
+
+``--full-length`` measures the checkpoint retention rule (issue 29) instead, on the recorded sessions
+with the most turns, every message whole (:func:`full_length`): window bytes kept under per_request
+against all_committed with room for everything, and prefill under the rule against plain LRU
+(``dsv4_checkpoint_retention``) with too few request rows for the sessions' checkpoints.
+
+    python benchmarks/prefix_reuse.py --full-length --sessions 3 [--turns 24] [--pressure-turns 10]
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class ModeResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)  # per session, per turn
     window_bytes_per_session: float = 0.0
 
     @property
@@ -77,7 +85,11 @@ def render(tokenizer, messages: tuple[dict, ...]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def replay_session(url: str, tokenizer, trajectory: Trajectory, result: ModeResult) -> None:
+def replay_session(
+    url: str, tokenizer, trajectory: Trajectory, result: ModeResult, keep_recorded_replies: bool = False
+) -> None:
+    """The session's turns in order; each turn's history is the last one's, the reply's ids (and, with
+    ``keep_recorded_replies``, the recorded reply's text after them) and the turn's new messages."""
     history: list[int] = []
     for turn in trajectory.turns:
         history = history + render(tokenizer, turn.new_messages)
@@ -98,12 +110,15 @@ def replay_session(url: str, tokenizer, trajectory: Trajectory, result: ModeResu
         result.prompt_tokens += len(history)
         result.cached_tokens += meta["cached_tokens"]
         result.ttfts.append(first - start)
+        result.outputs.setdefault(trajectory.name, []).append(output)
         history = history + output
+        if keep_recorded_replies and turn.recorded_reply is not None:
+            history = history + render(tokenizer, (turn.recorded_reply,))
 
 
-def set_modes(url: str, prefix_hits: str, window_policy: str) -> None:
-    args = {"dsv4_prefix_hits": mode_code("dsv4_prefix_hits", prefix_hits)}
-    args["dsv4_window_policy"] = mode_code("dsv4_window_policy", window_policy)
+def set_modes(url: str, **modes: str) -> None:
+    """Set prefix-cache modes by name (``prefix_hits``, ``window_policy``, ``checkpoint_retention``)."""
+    args = {f"dsv4_{key}": mode_code(f"dsv4_{key}", value) for key, value in modes.items()}
     assert all(requests.post(f"{url}/set_internal_state", json={"server_args": args}, timeout=30).json())
 
 
@@ -142,17 +157,160 @@ def table(results: dict[tuple[str, str], ModeResult]) -> str:
     return "\n".join(lines)
 
 
+# --- full length: the recorded sessions' histories as recorded, the retention rule measured ---------------------
+
+FULL_SCALE = TraceScale(input_fraction=1.0, output_fraction=1.0, max_output_tokens=4, max_context_tokens=10**9)
+
+
+def full_length_sessions(tokenizer, count: int, max_history: int, turns: int | None) -> list[Trajectory]:
+    """The ``count`` recorded sessions with the most turns whose prompts stay under ``max_history`` tokens
+    (each cut before the first turn that would pass it; then to its first ``turns``, if given). The
+    history a turn sends is the recorded one: every message whole, and each recorded reply's text after
+    the ids the server decoded for it (``FULL_SCALE.max_output_tokens`` at most), so the prompts grow as recorded."""
+    cut = []
+    for trajectory in load_sessions(DATA, FULL_SCALE, ToolLatency(median_s=0.0), seed=0):
+        history, kept = 0, []
+        for turn in trajectory.turns:
+            history += len(render(tokenizer, turn.new_messages))
+            if history > max_history:
+                break
+            kept.append(turn)
+            history += turn.output_tokens + len(render(tokenizer, (turn.recorded_reply,)))
+        cut.append(Trajectory(trajectory.name, tuple(kept)))
+    longest = sorted(cut, key=lambda t: len(t.turns), reverse=True)[:count]
+    return [first_turns(t, turns or len(t.turns)) for t in longest]
+
+
+def prefix_cache_state(url: str) -> dict:
+    state = requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+    return {"pools": state["dsv4_pools"], **state["dsv4_prefix_cache"]}
+
+
+@dataclass
+class FullLengthRun:
+    name: str
+    result: ModeResult
+    state: dict  # /server_info's pools and prefix cache once every session ended
+    seconds: float
+
+    @property
+    def window_bytes(self) -> int:
+        slots = self.state["pools"]["window_slots"]
+        return (slots["total"] - slots["free"]) * self.state["slot_bytes"]
+
+
+def full_length_run(url: str, tokenizer, sessions: list[Trajectory], concurrency: int, slot_bytes: int,
+                    name: str, **modes: str) -> FullLengthRun:  # fmt: skip
+    requests.post(f"{url}/flush_cache", timeout=30)
+    set_modes(url, **modes)
+    result, start = ModeResult(), time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda t: replay_session(url, tokenizer, t, result, keep_recorded_replies=True), sessions))
+    state = {**prefix_cache_state(url), "slot_bytes": slot_bytes}
+    run = FullLengthRun(name, result, state, time.perf_counter() - start)
+    print(f"{name}: {json.dumps(run_row(run))}", flush=True)
+    return run
+
+
+def run_row(run: FullLengthRun) -> dict:
+    state, r = run.state, run.result
+    return {
+        "prompt": r.prompt_tokens, "reused": r.cached_tokens, "prefilled": r.prefilled,
+        "window_bytes": run.window_bytes, "checkpoints": state["checkpoints"],
+        "by_state": state["checkpoints_by_state"], "evictions": state["checkpoint_evictions"],
+        "skipped": state["checkpoints_skipped"], "seconds": round(run.seconds),
+    }  # fmt: skip
+
+
+def full_length_table(runs: list[FullLengthRun], base: FullLengthRun) -> str:
+    lines = [
+        "| run | reused / prompt | tokens prefilled | prefilled vs base | window MB kept | window vs base |"
+        " checkpoints kept (live / superseded) | evicted: superseded / shallower / deepest / with tokens |"
+        " released at resume | skipped | outputs equal to base's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        r, state = run.result, run.state
+        by_state, ev = state["checkpoints_by_state"], state["checkpoint_evictions"]
+        same = sum(a == b for s in base.result.outputs for a, b in zip(r.outputs[s], base.result.outputs[s]))
+        lines.append(
+            f"| {run.name} | {r.cached_tokens:,} / {r.prompt_tokens:,} | {r.prefilled:,} |"
+            f" {r.prefilled / base.result.prefilled:.3f} | {run.window_bytes / 1e6:.1f} |"
+            f" {run.window_bytes / base.window_bytes:.3f} | {state['checkpoints']:,}"
+            f" ({by_state['live']['count']} / {by_state['superseded']['count']}) |"
+            f" {ev['superseded']} / {ev['shallower']} / {ev['deepest']} / {ev['with_tokens']} |"
+            f" {ev['superseded_at_resume']} | {sum(state['checkpoints_skipped'].values())} |"
+            f" {same} / {len(r.ttfts)} |"
+        )
+    return "\n".join(lines)
+
+
+def full_length(args: argparse.Namespace, work: Path, model: Path, tokenizer, slot_bytes: int) -> list[str]:
+    """(a) No pressure: window bytes kept under per_request against all_committed's. (b) The pool below
+    the sessions' working set (``--pressure-rows`` request rows, so their window slots and records):
+    prefill under the retention rule against plain LRU."""
+    sessions = full_length_sessions(tokenizer, args.sessions, args.max_history, args.turns)
+    pressure_sessions = [first_turns(t, args.pressure_turns or len(t.turns)) for t in sessions]
+    turns = sum(len(t.turns) for t in sessions)
+    report = [
+        f"Full length: the {len(sessions)} recorded sessions with the most turns under {args.max_history:,}-token"
+        f" histories ({turns} turns, {turns - len(sessions)} resumed; {', '.join(t.name for t in sessions)}),"
+        f" {args.concurrency} at a time; every message whole, each turn decodes min(recorded, 4) tokens and the"
+        " history then carries the recorded reply; tiny V4 on this CPU, float32; cache flushed between runs."
+    ]
+    print(report[0], flush=True)
+    room = ("--max-total-tokens", str(args.full_tokens), "--max-running-requests", str(args.room_rows))
+    with running_server(model, "--dtype", "float32", *room, log_path=work / "server-room.log") as url:
+        per_request, committed = [
+            full_length_run(url, tokenizer, sessions, args.concurrency, slot_bytes, f"exact + {policy}",
+                            prefix_hits="exact", window_policy=policy, checkpoint_retention="worth")
+            for policy in ("per_request", "all_committed")
+        ]  # fmt: skip
+    room_table = full_length_table([committed, per_request], committed)
+    report.append(f"### no pressure ({args.room_rows} request rows, {args.full_tokens:,} token slots)\n\n{room_table}")
+    print(report[-1], flush=True)
+    pressure = ("--max-total-tokens", str(args.full_tokens), "--max-running-requests", str(args.pressure_rows))
+    with running_server(model, "--dtype", "float32", *pressure, log_path=work / "server-pressure.log") as url:
+        runs = [
+            full_length_run(url, tokenizer, pressure_sessions, args.concurrency, slot_bytes,
+                            f"exact + per_request, {name}", prefix_hits="exact", window_policy="per_request",
+                            checkpoint_retention=retention)
+            for name, retention in (("plain LRU", "lru"), ("by worth", "worth"))
+        ]  # fmt: skip
+    lru, worth = runs
+    pressure_table = full_length_table([lru, worth], lru)
+    pressure_turns = sum(len(t.turns) for t in pressure_sessions)
+    heading = f"### pool below the working set ({args.pressure_rows} request rows, {pressure_turns} turns)"
+    report.append(f"{heading}\n\n{pressure_table}")
+    print(report[-1], flush=True)
+    runs = [per_request, committed, lru, worth]
+    (work / "full_length.json").write_text(json.dumps({run.name: run_row(run) for run in runs}, indent=1))
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=10, help="turns replayed per session (its first ones)")
+    parser.add_argument("--turns", type=int, default=None, help="turns replayed per session (its first ones)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_reuse.md"))
+    parser.add_argument("--full-length", action="store_true", help="the retention measurements (see full_length)")
+    parser.add_argument("--max-history", type=int, default=60_000, help="full length: tokens a history stays under")
+    parser.add_argument("--full-tokens", type=int, default=200_000, help="full length: the token pool")
+    parser.add_argument("--room-rows", type=int, default=512, help="full length: request rows with no pressure")
+    parser.add_argument("--pressure-rows", type=int, default=2, help="full length: request rows under pressure")
+    parser.add_argument("--pressure-turns", type=int, default=None, help="full length: turns a session under pressure")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="prefix-reuse-"))
     model = build_checkpoint(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(str(model))
+    if args.full_length:
+        slot_bytes = PoolLayout(load_config(model), torch.float32).window_slot_bytes
+        args.out.write_text("\n\n".join(full_length(args, work, model, tokenizer, slot_bytes)) + "\n")
+        print(f"written to {args.out}")
+        return
+    args.turns = args.turns or 10
     slot_bytes = PoolLayout(load_config(model), torch.float32).window_slot_bytes
     latency = ToolLatency(median_s=0.0)
     traces = {
@@ -174,7 +332,7 @@ def main() -> None:
                 results = {}
                 for mode in MODES:
                     requests.post(f"{url}/flush_cache", timeout=30)
-                    set_modes(url, *mode)
+                    set_modes(url, prefix_hits=mode[0], window_policy=mode[1])
                     results[mode] = replay(url, tokenizer, trajectories, args.concurrency, slot_bytes)
                 turns = sum(len(t.turns) for t in trajectories)
                 section = f"### {trace_name}, {budget_name} ({turns} turns)\n\n{table(results)}"

@@ -142,7 +142,8 @@ def _default_to_v4_radix_cache(original, ctx):
 
 
 def _add_prefix_cache_updates(original, controller) -> dict:
-    """``/set_internal_state`` accepts ``dsv4_prefix_hits`` and ``dsv4_window_policy``."""
+    """``/set_internal_state`` accepts ``dsv4_prefix_hits``, ``dsv4_window_policy`` and
+    ``dsv4_checkpoint_retention``."""
     from .prefix_cache.registration import runtime_mode_updates
 
     return {**original(controller), **runtime_mode_updates(controller.scheduler.tree_cache)}

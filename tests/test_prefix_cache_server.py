@@ -147,9 +147,13 @@ def test_aligned_mode_hits_only_at_whole_pages_and_gives_the_same_outputs(server
 
 
 def test_a_mode_outside_the_allowed_values_is_refused_and_changes_nothing(server):
-    response = requests.post(f"{server}/set_internal_state", json={"server_args": {"dsv4_prefix_hits": 2}}, timeout=30)
-    assert not updated(response)
+    for key in ("dsv4_prefix_hits", "dsv4_checkpoint_retention"):
+        response = requests.post(f"{server}/set_internal_state", json={"server_args": {key: 2}}, timeout=30)
+        assert not updated(response)
     assert prefix_cache_state(server)["prefix_hits"] == "exact"
+    assert prefix_cache_state(server)["checkpoint_retention"] == "worth"
+    set_modes(server, checkpoint_retention="lru")  # the baseline the retention rule is measured against
+    set_modes(server, checkpoint_retention="worth")
 
 
 def test_per_request_keeps_checkpoint_windows_all_committed_keeps_every_token(server):

@@ -196,6 +196,7 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
         (scheduler.tree.evict_one_checkpoint, 2),
         (lambda: scheduler.tree.set_modes(prefix_hits=rng.choice(["exact", "aligned"])), 1),
         (lambda: scheduler.tree.set_modes(window_policy=rng.choice(["per_request", "all_committed"])), 1),
+        (lambda: scheduler.tree.set_modes(checkpoint_retention=rng.choice(["worth", "lru"])), 1),
     ]
     actions, weights = zip(*operations, strict=True)
     for _ in range(5000):
@@ -243,14 +244,19 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
     return match.device_prefix_len, list(req.full_untruncated_fill_ids[:owned])
 
 
-def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_one_per_session(tiny_model):
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_one_per_session(
+    tiny_model, window_policy
+):
     """Issue 29: eight sessions take turns with checkpoint records for one each and two more. Every turn
     leaves checkpoints at its prompt's end, a token before it and its request's end; under plain LRU the
-    session idle longest loses its only live one to the newer, superseded checkpoints of the others."""
+    session idle longest loses its only live one to the newer checkpoints of the others. per_request
+    releases the checkpoints a turn resumes past at once; all_committed keeps them, to be evicted first."""
     sessions, turns = 8, 4
     rng = random.Random(29)
     scheduler = Scheduler(tiny_model.config, rng, ("records", sessions + 2))
     scheduler.tree.manager.checkpoints.interval = 0
+    scheduler.tree.set_modes(window_policy=window_policy)
     histories: list[list[int]] = [[] for _ in range(sessions)]
     for _ in range(turns):
         for session in range(sessions):
@@ -259,6 +265,32 @@ def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_
             assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
             histories[session] = sequence
             check(scheduler)
-    report = scheduler.tree.checkpoint_report()
-    assert report["checkpoint_evictions"]["superseded"] > 0
-    assert report["checkpoint_evictions"]["deepest"] == 0
+    evictions = scheduler.tree.checkpoint_report()["checkpoint_evictions"]
+    superseded = "superseded_at_resume" if window_policy == "per_request" else "superseded"
+    assert evictions[superseded] > 0, evictions
+    assert evictions["deepest"] == 0, evictions
+
+
+def test_per_request_keeps_a_sessions_last_turn_and_releases_what_its_turns_resumed_past(tiny_model):
+    """Issue 29: once a turn resumes from a checkpoint, those above it on its path are released
+    (per_request), up to the nearest point where another prefix branches off: above it they serve
+    that prefix too."""
+    rng = random.Random(7)
+    scheduler = Scheduler(tiny_model.config, rng)
+    tree = scheduler.tree
+    tree.manager.checkpoints.interval = 0
+    shared = [rng.randrange(1024) for _ in range(40)]
+    run_turn(scheduler, shared, new_tokens=2)  # another session: checkpoints at 39, 40 and 42
+    history = shared
+    for _ in range(5):
+        prompt = history + [rng.randrange(1024) for _ in range(rng.randrange(20, 40))]
+        matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
+        assert matched == len(history), "a turn resumes where the last one ended"
+        history = sequence
+        check(scheduler)
+    # Kept: the other session's 40 (where this one branched off) and 42; this session's last prompt
+    # end, a token before it, its request end, and the end that turn resumed from.
+    positions = sorted(c.position for c in tree.checkpoints.values())
+    assert len(positions) == 6 and positions[:2] == [40, 42], positions
+    # Released: 39 by the first turn, the second turn's two (the branch stops it), then three a turn.
+    assert tree.checkpoint_report()["checkpoint_evictions"]["superseded_at_resume"] == 1 + 2 + 3 * 3

@@ -9,16 +9,23 @@ server. That route takes numbers only, so each mode is sent as its index in
     POST /set_internal_state {"server_args": {"dsv4_prefix_hits": 1,     # aligned
                                               "dsv4_window_policy": 1}}  # all_committed
 
-SGLang answers ``[true]`` (one flag per scheduler); ``/server_info`` reads the modes back,
-by name, under ``dsv4_prefix_cache``.
+``dsv4_checkpoint_retention`` (0: by worth, the default; 1: plain LRU) is there to measure the
+retention rule against the behaviour before it. SGLang answers ``[true]`` (one flag per scheduler);
+``/server_info`` reads the modes back, by name, under ``dsv4_prefix_cache``.
 """
 
 from __future__ import annotations
 
 PREFIX_HITS = ("exact", "aligned")
 WINDOW_POLICIES = ("per_request", "all_committed")
+# Which checkpoint goes first (.retention): by worth (the default), or plain LRU (the baseline it is measured against).
+CHECKPOINT_RETENTIONS = ("worth", "lru")
 # /set_internal_state key -> the mode's values, in the order of their codes.
-MODE_CODES = {"dsv4_prefix_hits": PREFIX_HITS, "dsv4_window_policy": WINDOW_POLICIES}
+MODE_CODES = {
+    "dsv4_prefix_hits": PREFIX_HITS,
+    "dsv4_window_policy": WINDOW_POLICIES,
+    "dsv4_checkpoint_retention": CHECKPOINT_RETENTIONS,
+}
 
 
 def mode_code(key: str, name: str) -> int:

@@ -5,14 +5,23 @@ nearest shallower checkpoint on its path (which would remain) to its own positio
 holds (its window slots and its state record). Three things come before worth:
 
 * a checkpoint *superseded* — a request of its prefix resumed from a deeper checkpoint on its
-  path, so the session's later turns resume there or deeper — is worth nothing to that session
-  and goes first;
+  path, and no other prefix branches off between them, so the session's later turns resume there
+  or deeper and no other session's can resume from it — is worth nothing and goes first;
 * a session's deepest checkpoint (none below it on any path: its request end) is the last of its
   own to go, after every shallower one;
 * checkpoints a request holds its lock on (about to resume, or just made) never go; they are not
   candidates here.
 
 Ties go to the least recently used.
+
+Under ``per_request`` (which keeps what a later turn can use, and nothing else) a superseded
+checkpoint is released at once, when the request that supersedes it takes its resume point; under
+``all_committed`` (upstream's behaviour: every committed window slot stays until memory runs short)
+it stays, ranked first.
+
+Plain least-recently-used eviction (``lru``: no superseding, no worth), the behaviour before this
+rule, is kept selectable on a running server as the baseline the rule is measured against
+(``benchmarks/prefix_reuse.py --full-length``).
 """
 
 from __future__ import annotations
@@ -43,6 +52,30 @@ class Standing:
     def reason(self) -> str:
         """Why it went, for the eviction counts."""
         return "superseded" if self.superseded else "deepest" if self.deepest else "shallower"
+
+
+class ByWorth:
+    """The rule above (the default)."""
+
+    name = "worth"
+    marks_superseded = True
+
+    def order(self, standing: Standing) -> tuple:
+        return standing.order()
+
+
+class LeastRecentlyUsed:
+    """The least recently used checkpoint goes first; nothing is superseded (the baseline)."""
+
+    name = "lru"
+    marks_superseded = False
+
+    def order(self, standing: Standing) -> tuple:
+        return (standing.last_used,)
+
+
+BY_WORTH, LEAST_RECENTLY_USED = ByWorth(), LeastRecentlyUsed()
+RETENTION_OF = {retention.name: retention for retention in (BY_WORTH, LEAST_RECENTLY_USED)}
 
 
 def standing(

@@ -21,7 +21,8 @@ breaks a running request; one on a locked node (a request between its match and 
 allocation) is never evicted. The tree reaches the pool only through the cache manager
 (:class:`~.manager.CacheManager`), which is bound to it: under row pressure the manager
 asks for the checkpoint worth least back (:meth:`V4RadixCache.evict_one_checkpoint`, :mod:`.retention`)
-before any persistent KV goes; SGLang evicts token slots (and the checkpoints of the leaves
+before any persistent KV goes (under ``per_request`` those a request resumes past go as it
+resumes); SGLang evicts token slots (and the checkpoints of the leaves
 it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
 (the manager counts it); a request whose own window slots cannot be had waits or is
 retracted (:mod:`.admission`).
@@ -37,10 +38,10 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from ..memory_pool.checkpoint import Checkpoint
-from . import PREFIX_HITS, WINDOW_POLICIES
+from . import CHECKPOINT_RETENTIONS, PREFIX_HITS, WINDOW_POLICIES
 from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
-from .retention import Standing, standing
+from .retention import BY_WORTH, RETENTION_OF, Standing, standing
 from .window_policy import WINDOW_POLICY_OF
 
 
@@ -59,17 +60,25 @@ class V4RadixCache(RadixCache):
         self.checkpoint_interval = checkpoint_interval
         # Requests held back because their window slots did not fit (see .admission).
         self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
-        # Checkpoints evicted, by why they went first (.retention), or with their tokens.
-        self.evictions: Counter[str] = Counter({"superseded": 0, "shallower": 0, "deepest": 0, "with_tokens": 0})
+        self.retention = BY_WORTH
         super().__init__(params)
         self.set_modes(prefix_hits=prefix_hits, window_policy=window_policy)
         manager.bind_tree(self)
 
     # --- modes ------------------------------------------------------------------------------
 
-    def set_modes(self, *, prefix_hits: str | None = None, window_policy: str | None = None) -> None:
-        """Switch where hits may land and what finished requests keep (takes effect at once)."""
-        check_modes(prefix_hits=prefix_hits, window_policy=window_policy)
+    def set_modes(
+        self,
+        *,
+        prefix_hits: str | None = None,
+        window_policy: str | None = None,
+        checkpoint_retention: str | None = None,
+    ) -> None:
+        """Switch where hits may land, what finished requests keep and which checkpoint goes first
+        (takes effect at once)."""
+        check_modes(prefix_hits=prefix_hits, window_policy=window_policy, checkpoint_retention=checkpoint_retention)
+        if checkpoint_retention is not None:
+            self.retention = RETENTION_OF[checkpoint_retention]
         if prefix_hits is not None:
             self.prefix_hits = PREFIX_HITS_OF[prefix_hits]
         if window_policy is not None:
@@ -82,6 +91,7 @@ class V4RadixCache(RadixCache):
         return {
             "prefix_hits": self.prefix_hits.name,
             "window_policy": self.manager.window_policy.name,
+            "checkpoint_retention": self.retention.name,
             "checkpoint_interval": self.manager.checkpoints.interval,
         }
 
@@ -91,6 +101,11 @@ class V4RadixCache(RadixCache):
         for checkpoint in self.checkpoints.values():
             self.manager.checkpoints.release(checkpoint)
         self.checkpoints.clear()
+        # Checkpoints evicted since, by why they went first (.retention), or with their tokens; and
+        # those released when a request resumed past them (per_request).
+        self.evictions: Counter[str] = Counter(
+            {"superseded": 0, "shallower": 0, "deepest": 0, "with_tokens": 0, "superseded_at_resume": 0}
+        )
         if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
             self.manager.entry_ownership.release_slots(self.all_values_flatten())
         super().reset()
@@ -148,7 +163,8 @@ class V4RadixCache(RadixCache):
             if checkpoint is None or checkpoint.position != req.prefix_len:
                 raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
             resume = (checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
-            self._supersede_above(req.last_node)
+            if self.retention.marks_superseded:
+                self._supersede_above(req.last_node)
         self.manager.start(row, req.kv.kv_allocated_len, resume)
 
     def window_slots_for_forward(self, tokens: int) -> int:
@@ -170,9 +186,11 @@ class V4RadixCache(RadixCache):
         self.held_back[reason] += 1
 
     def evict_one_checkpoint(self) -> bool:
-        """Release the checkpoint worth least (:mod:`.retention`) that no request holds its lock on."""
+        """Release the checkpoint worth least (:mod:`.retention`; under ``lru`` the least recently used)
+        that no request holds its lock on."""
         standings = self._standings()
-        candidates = [(standings[n].order(), id(n), n) for n in self.checkpoints if not _anchored(n)]
+        order = self.retention.order
+        candidates = [(order(standings[n]), id(n), n) for n in self.checkpoints if not _anchored(n)]
         if not candidates:
             return False
         _, _, node = min(candidates)
@@ -201,11 +219,18 @@ class V4RadixCache(RadixCache):
         }
 
     def _supersede_above(self, node: TreeNode) -> None:
-        """A request resumes from the checkpoint at ``node``: those above it on its path are superseded."""
+        """A request resumes from the checkpoint at ``node``: those above it on its path, up to the
+        nearest branch (above it the path is other prefixes' too), are superseded; released at once
+        unless the window policy keeps them, or a request holds its lock on one."""
+        release = not self.manager.window_policy.keeps_superseded
         node = node.parent
-        while node is not None and node is not self.root_node:
-            if node in self.checkpoints:
-                self.checkpoints[node].superseded = True
+        while node is not self.root_node and len(node.children) == 1:
+            checkpoint = self.checkpoints.get(node)
+            if checkpoint is not None:
+                checkpoint.superseded = True
+                if release and not _anchored(node):
+                    self.evictions["superseded_at_resume"] += 1
+                    self.manager.checkpoints.release(self.checkpoints.pop(node))
             node = node.parent
 
     def keep_only_resumed_windows(self) -> bool:
@@ -295,11 +320,14 @@ class V4RadixCache(RadixCache):
         return self.manager.audit(list(self.checkpoints.values()))
 
 
-def check_modes(*, prefix_hits: str | None = None, window_policy: str | None = None) -> None:
+def check_modes(
+    *, prefix_hits: str | None = None, window_policy: str | None = None, checkpoint_retention: str | None = None
+) -> None:
     """Raise ``ValueError`` naming the mode and what is allowed, for a value that is not one."""
     for name, value, allowed in (
         ("prefix_hits", prefix_hits, PREFIX_HITS),
         ("window_policy", window_policy, WINDOW_POLICIES),
+        ("checkpoint_retention", checkpoint_retention, CHECKPOINT_RETENTIONS),
     ):
         if value is not None and value not in allowed:
             raise ValueError(f"{name} is {value!r}; allowed: {', '.join(allowed)}")

@@ -27,6 +27,8 @@ class WindowPolicy(Protocol):
     name: str
     # Whether a finished request's checkpoint keeps every window slot it holds.
     commits_every_slot: bool
+    # Whether checkpoints a later turn resumed past stay until memory runs short (else they go at once).
+    keeps_superseded: bool
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         """Before the row's forward from ``start`` takes its slots."""
@@ -38,6 +40,7 @@ class WindowPolicy(Protocol):
 class PerRequest:
     name = "per_request"
     commits_every_slot = False
+    keeps_superseded = False
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         manager.tables.trim_to_forward(row, start)
@@ -49,6 +52,7 @@ class PerRequest:
 class AllCommitted:
     name = "all_committed"
     commits_every_slot = True
+    keeps_superseded = True
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         pass

@@ -5,11 +5,16 @@ Each DP rank has its own scheduler, requests, pools and prefix tree; the MoE run
 ranks' rows (SGLang's DP-attention gather) with the experts split by EP. Requests are pinned to
 a rank with ``routed_dp_rank``. The oracle is the single-process server, run first and stopped
 before the DP server starts (one server at a time): every figure it gives is recorded up front.
+The DP server is short of token slots, as the pool-exhaustion tests' few_tokens server is, so that the
+pool-exhaustion, abort and bad-input cases run on it too: after each, every row is back on both ranks.
+Random configs (:mod:`random_configs`) are served the same way, one seed by default
+(``DSV4_CONFIG_SEEDS=N`` serves N), each on its own pair of servers.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,8 +22,15 @@ import pytest
 import requests
 import torch
 from conftest import random_ids
-from serving_checks import assert_pools_idle
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from random_configs import build_random_checkpoint, random_v4_config
+from serving_checks import assert_healthy, assert_pools_idle
+from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, concurrently, random_round
+from test_prefix_cache_server import set_modes
+from test_untrusted_requests import CONTAINED_FAILURE, REQUESTS_PER_BATCH, assert_refused, post, probes, send
 
+from sglang_dsv4.config import ConfigError, check_tensor_parallel, parse_config
 from sglang_dsv4.launch import running_server
 
 # Prompts inside one window, past two ratio-4 blocks of entries, and past ratio-128 blocks.
@@ -26,6 +38,7 @@ PROMPT_LENGTHS = (5, 300, 700)
 NEW_TOKENS = 12
 LONG_DECODE = 48
 VOCAB = 1024
+DP_ARGS = ("--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -58,13 +71,30 @@ def _assert_same(served: dict, expected: dict, what: str) -> None:
     assert difference <= 1e-4, f"{what}: prompt logprobs differ by {difference:.3g}"
 
 
+def _flush(url: str) -> None:
+    requests.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+
+
 def _session(url: str, rank: int | None) -> list[dict]:
     """Two turns of one session (pinned to ``rank``): the second resumes the first's prompt and answer."""
-    requests.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+    _flush(url)
     first = _generate(url, SESSION_START, 8, rank)
-    history = SESSION_START + first["output_ids"] + SESSION_FOLLOW_UP
-    resumable = len(SESSION_START) + len(first["output_ids"]) - 1
+    history, resumable = _second_turn(first)
     return [first, _generate(url, history, 8, rank, start=resumable)]
+
+
+def _second_turn(first: dict) -> tuple[list[int], int]:
+    """The session's second prompt, and how much of it the first turn left reusable (its prompt and answer
+    but the last token)."""
+    history = SESSION_START + first["output_ids"] + SESSION_FOLLOW_UP
+    return history, len(SESSION_START) + len(first["output_ids"]) - 1
+
+
+def _cold_second_turn(url: str, first: dict) -> dict:
+    """The session's second turn on a flushed cache."""
+    history, resumable = _second_turn(first)
+    _flush(url)
+    return _generate(url, history, 8, start=resumable)
 
 
 def _internal_states(url: str) -> list[dict]:
@@ -78,15 +108,21 @@ def expected(tiny_path, log_dir) -> dict:
         return {
             "prompts": {length: _generate(url, ids, NEW_TOKENS) for length, ids in PROMPTS.items()},
             "long decode": _generate(url, PROMPTS[5], LONG_DECODE),
-            "session": _session(url, None),
+            "session": (session := _session(url, None)),
+            "cold second turn": _cold_second_turn(url, session[0]),
         }
+
+
+# Token slots per DP rank for about two of the retraction test's requests at once (as the pool-exhaustion
+# tests' few_tokens server): SGLang queues, chunks prompts of more than 512 tokens, and retracts.
+SCARCE_TOKENS = ("--max-total-tokens", "2600", "--chunked-prefill-size", "512", "--schedule-conservativeness", "0.1")
 
 
 @pytest.fixture(scope="module", params=["dsv4_batched", "dsv4_torch"])
 def dp2(request, tiny_path, log_dir, expected):
     """The DP server on each attention backend in turn (idle ranks and padded rows go through both)."""
     os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
-    args = ("--dtype", "float32", "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")
+    args = ("--dtype", "float32", *DP_ARGS, *SCARCE_TOKENS)
     log_path = log_dir / f"dp2-{request.param}-server.log"
     with running_server(tiny_path, *args, "--attention-backend", request.param, log_path=log_path) as url:
         yield url
@@ -134,6 +170,7 @@ def test_a_session_pinned_to_one_rank_resumes_from_that_ranks_cache(dp2, expecte
         _assert_same(reply, oracle, f"turn {turn} on rank {rank}")
         assert reply["meta_info"]["cached_tokens"] == oracle["meta_info"]["cached_tokens"], turn
     assert served[1]["meta_info"]["cached_tokens"] > 0, "the second turn resumed nothing from the cache"
+    _assert_same(served[1], expected["cold second turn"], f"the warm second turn on rank {rank} against a cold one")
     assert_pools_idle(dp2)
 
 
@@ -180,3 +217,157 @@ def test_attention_dp_with_what_the_model_does_not_serve_is_refused_naming_the_f
     check_attention_data_parallel(SimpleNamespace(**served))
     with pytest.raises(ConfigError, match=rf"^{flag} with --attn-dp-size 2: .* leave {flag} at its default"):
         check_attention_data_parallel(SimpleNamespace(**{**served, **setting}))
+
+
+def servable_at_dp2(seed: int) -> bool:
+    """Whether the random config of ``seed`` splits over ``--tp 2 --attn-dp-size 2 --ep-size 2``."""
+    config = parse_config(random_v4_config(seed))
+    try:
+        check_tensor_parallel(config, 2, 2)
+    except ConfigError:
+        return False
+    return config.n_routed_experts % 2 == 0
+
+
+def dp_config_seeds() -> list[int]:
+    """The first ``DSV4_CONFIG_SEEDS`` (default 1) seeds whose random config serves at DP 2."""
+    count = int(os.environ.get("DSV4_CONFIG_SEEDS", "1"))
+    seeds = (seed for seed in range(10_000) if servable_at_dp2(seed))
+    return [next(seeds) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", dp_config_seeds(), ids=lambda seed: f"seed{seed}")
+def test_a_random_config_at_dp_gives_the_single_process_servers_tokens_and_logprobs(seed, tmp_path, log_dir):
+    os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
+    path, raw = build_random_checkpoint(tmp_path / "release", seed)
+    # One prompt per DP rank, crossing the window and two 128-token compressed blocks.
+    prompts = [random_ids(300, raw["vocab_size"], seed=seed + rank).tolist() for rank in (0, 1)]
+    with running_server(path, "--dtype", "float32", log_path=log_dir / f"dp-oracle-seed{seed}.log") as url:
+        expected = [_generate(url, ids, NEW_TOKENS) for ids in prompts]
+    dp_log = log_dir / f"dp2-seed{seed}.log"
+    with running_server(path, "--dtype", "float32", *DP_ARGS, log_path=dp_log) as url, ThreadPoolExecutor(2) as pool:
+        served = list(pool.map(lambda rank: _generate(url, prompts[rank], NEW_TOKENS, rank), (0, 1)))
+    for rank, (reply, oracle) in enumerate(zip(served, expected, strict=True)):
+        _assert_same(reply, oracle, f"seed {seed}, rank {rank}")
+
+
+def _leave_mid_stream(url: str, ids: list[int], new_tokens: int, rank: int, events: int) -> None:
+    """A streaming client pinned to ``rank`` that closes its connection after ``events`` events (the
+    server aborts its request)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": params, "stream": True, "routed_dp_rank": rank}
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+        assert reply.status_code == 200, reply.text
+        for _, _ in zip(range(events), reply.iter_lines(), strict=False):
+            pass
+
+
+def test_aborted_requests_on_both_ranks_return_every_row_and_the_ranks_serve_on_exact(dp2, expected):
+    # Each rank: a client gone during a chunked prefill (its first event comes after the prompt), one gone
+    # while decoding, and one kept, all at once.
+    long_prompt = _prompt(1500, 700)
+    with ThreadPoolExecutor(6) as pool:
+        left = [pool.submit(_leave_mid_stream, dp2, long_prompt, 64, rank, 0) for rank in (0, 1)]
+        left += [pool.submit(_leave_mid_stream, dp2, PROMPTS[300], 200, rank, 3) for rank in (0, 1)]
+        kept = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        for client in left:
+            client.result()
+        for rank, reply in enumerate(kept):
+            _assert_same(reply.result(), expected["prompts"][300], f"beside aborted requests on rank {rank}")
+    assert_pools_idle(dp2)  # idle: every row free or in the tree; flushed: every row free, on both ranks
+    for rank in (0, 1):
+        _assert_same(_generate(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
+
+
+def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_every_row(dp2):
+    # The pool-exhaustion tests' rounds (long prompts, forks of earlier ones, n = 2, clients that leave),
+    # under both hit modes and window policies, sent unpinned: SGLang's controller spreads them over the ranks.
+    rng = random.Random("dp2")
+    jobs, outputs = [], []
+    _flush(dp2)
+    try:
+        for prefix_hits, window_policy in (("exact", "all_committed"), ("aligned", "per_request")):
+            set_modes(dp2, prefix_hits=prefix_hits, window_policy=window_policy)
+            modes = [{name: state["dsv4_prefix_cache"][name] for name in ("prefix_hits", "window_policy")}
+                     for state in _internal_states(dp2)]  # fmt: skip
+            assert modes == [{"prefix_hits": prefix_hits, "window_policy": window_policy}] * 2
+            round_jobs = random_round(rng, [job.ids for job in jobs], SERVERS["few_tokens"])
+            outputs += concurrently(dp2, round_jobs)
+            jobs += round_jobs
+            assert_healthy(dp2)
+            for state in _internal_states(dp2):
+                assert set(state["dsv4_prefix_cache"]["rows_miscounted"].values()) == {0}
+    finally:
+        set_modes(dp2, prefix_hits="exact", window_policy="per_request")
+    assert_equal_to_cold_runs(dp2, jobs, outputs)
+    assert_pools_idle(dp2)
+
+
+def _until_eos(url: str, ids: list[int], new_tokens: int, rank: int) -> dict:
+    params = {"max_new_tokens": new_tokens, "temperature": 0}
+    reply = requests.post(
+        f"{url}/generate", json={"input_ids": ids, "sampling_params": params, "routed_dp_rank": rank}, timeout=900
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_rank_whose_decode_outgrows_its_token_slots_retracts_and_finishes_exact(dp2):
+    # As on the few_tokens server: four 500-token prompts admitted together on rank 1 (SGLang counts a tenth
+    # of the outputs of those that may stop at EOS) whose 200-token outputs then do not fit its 2,600 slots.
+    prompts = [[random.Random(seed).randrange(VOCAB) for _ in range(500)] for seed in range(23, 27)]
+    _flush(dp2)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda ids: _until_eos(dp2, ids, 200, 1), prompts))
+    assert sum(reply["meta_info"]["num_retractions"] for reply in replies) > 0, "rank 1 never retracted a request"
+    for ids, reply in zip(prompts, replies, strict=True):
+        _flush(dp2)
+        assert reply["output_ids"] == _until_eos(dp2, ids, 200, 0)["output_ids"], "differs from rank 0's cold run"
+    assert_pools_idle(dp2)
+
+
+def test_bad_input_on_the_dp_server_is_refused_or_fails_alone(dp2, expected):
+    # A rank the server does not have: SGLang's refusal.
+    refused = post(dp2, "/generate", {"input_ids": PROMPTS[5], "routed_dp_rank": 2})
+    assert_refused(refused, "routed_dp_rank=2 out of range [0, 2)")
+    # Ids outside the vocabulary, pinned to a rank (the embedding would raise there and stop every rank).
+    refused = post(dp2, "/generate", {"input_ids": [5, VOCAB], "routed_dp_rank": 1})
+    assert_refused(refused, f"input_ids must be in [0, {VOCAB})")
+    # A sampled request whose grammar leaves no token (complete after one, min_tokens masks EOS) beside
+    # greedy neighbours on both ranks: it fails alone.
+    dead_end = {"input_ids": PROMPTS[5], "sampling_params": {"max_new_tokens": 4, "regex": "a", "min_new_tokens": 2,
+                                                             "top_p": 0.5}}  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        failing = [pool.submit(post, dp2, "/generate", {**dead_end, "routed_dp_rank": rank}) for rank in (0, 1)]
+        neighbours = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        for reply in failing:
+            assert CONTAINED_FAILURE not in reply.result().text, reply.result().text
+        for rank, reply in enumerate(neighbours):
+            _assert_same(reply.result(), expected["prompts"][300], f"beside a dead-end grammar on rank {rank}")
+    assert_healthy(dp2)
+    assert_pools_idle(dp2)
+
+
+DP_FUZZ_BATCHES = 4  # the single-process server's fuzz test runs for minutes; here a few batches per backend
+
+
+@settings(
+    max_examples=DP_FUZZ_BATCHES,
+    deadline=None,
+    phases=[Phase.generate],
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(batch=st.lists(probes(), min_size=REQUESTS_PER_BATCH, max_size=REQUESTS_PER_BATCH))
+def test_fuzzed_requests_never_take_the_dp_server_down(dp2, expected, batch):
+    # The bad-input fuzzer's requests, spread over the ranks by SGLang's controller, with correct ones
+    # pinned to each rank among them.
+    with ThreadPoolExecutor(16) as pool:
+        fuzzed = [pool.submit(send, dp2, probe) for probe in batch]
+        correct = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        for future in fuzzed:
+            future.result()
+        for rank, reply in enumerate(correct):
+            _assert_same(reply.result(), expected["prompts"][300], f"among fuzzed requests on rank {rank}")
+    assert_healthy(dp2)
+    assert_pools_idle(dp2)

@@ -116,19 +116,21 @@ class Job:
     # Whether it may stop at EOS: SGLang then admits it on an estimate of its output's length
     # (a fraction of max_new_tokens) and retracts it if that was too low; otherwise on all of it.
     until_eos: bool = False
+    rank: int | None = None  # the DP rank it is pinned to (``routed_dp_rank``) on an attention-DP server
 
 
 def run(url: str, job: Job) -> list[list[int]] | None:
     """The job's greedy outputs (one per sample); None for a client that disconnected."""
     time.sleep(job.sent_after_s)
     params = {"max_new_tokens": job.new_tokens, "temperature": 0, "ignore_eos": not job.until_eos, "n": job.samples}
+    pinned = {} if job.rank is None else {"routed_dp_rank": job.rank}
     if job.disconnect:
-        payload = {"input_ids": job.ids, "sampling_params": params, "stream": True}
+        payload = {"input_ids": job.ids, "sampling_params": params, "stream": True, **pinned}
         with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
             assert reply.status_code == 200, reply.text
             next(reply.iter_lines())  # leaving the block closes the connection mid-stream
         return None
-    reply = generate(url, job.ids, timeout=600, sampling_params=params)
+    reply = generate(url, job.ids, timeout=600, sampling_params=params, **pinned)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     return [item["output_ids"] for item in (body if isinstance(body, list) else [body])]

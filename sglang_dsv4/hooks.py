@@ -3,7 +3,7 @@
 SGLang's ``HookRegistry`` only logs a hook whose target moved (another SGLang version); the
 model refuses to start instead (:func:`require_hooks_applied`), naming the hooks that did not
 apply. :mod:`sglang_dsv4.plugin` registers the hooks on these targets; the data-parallel,
-serving and admission hooks name their own targets beside their code.
+serving, admission and speculation hooks name their own targets beside their code.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from .data_parallel import DATA_PARALLEL_HOOKS
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .serving import SERVING_HOOKS
+from .speculation import SPECULATION_HOOKS
 
 UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
 KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
@@ -47,6 +48,7 @@ REQUIRED_HOOKS = (
     FP8_METHOD_CHOICE,
     FP8_ACTIVATION_DTYPES,
     *DATA_PARALLEL_HOOKS,
+    *SPECULATION_HOOKS,
 )
 
 

@@ -29,14 +29,42 @@ class V4KVPool(KVCache):
         max_requests: int,
         max_context: int,
         device: str,
+        verify_tokens: int = 0,
+        shared: CacheManager | None = None,
     ):
+        """``verify_tokens``: see :class:`~sglang_dsv4.memory_pool.storage.V4PoolStorage`. ``shared``: the
+        target's cache manager, whose rows this pool is a second view of (the EAGLE draft model's: its MTP
+        layer's state is in the target's pool)."""
         super().__init__(size, page_size, kv_dtype, config.num_layers, device, enable_memory_saver=False)
-        self.storage = V4PoolStorage(
-            config, kv_dtype, num_tokens=size, max_requests=max_requests, max_context=max_context, device=device
-        )
-        self.manager = CacheManager(self.storage)
+        if shared is None:
+            storage = V4PoolStorage(
+                config,
+                kv_dtype,
+                num_tokens=size,
+                max_requests=max_requests,
+                max_context=max_context,
+                device=device,
+                verify_tokens=verify_tokens,
+            )
+            shared = CacheManager(storage)
+        self.manager, self.storage = shared, shared.storage
         self.entry_ownership, self.checkpoints = self.manager.entry_ownership, self.manager.checkpoints
         self.mem_usage = self.storage.allocated_bytes / 2**30
+
+    # --- SGLang's EAGLE verify ------------------------------------------------------------------
+
+    def clear_unaccepted_c128_draft_states(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, accept_lens: torch.Tensor, num_draft_tokens: int
+    ) -> None:
+        """SGLang's EAGLE verify calls this after it counted each request's accepted tokens (``accept_lens``: the
+        target's own and the drafts it accepted) in a verify forward of ``num_draft_tokens`` tokens from
+        ``seq_lens``: every request's state goes back to its accepted position
+        (:meth:`~sglang_dsv4.prefix_cache.manager.CacheManager.accept_verified`)."""
+        if num_draft_tokens != self.storage.verify_tokens:
+            raise ValueError(f"a verify of {num_draft_tokens} tokens; the pool holds {self.storage.verify_tokens}")
+        rows, starts, accepted = (t.tolist() for t in (req_pool_indices, seq_lens, accept_lens))
+        for row, start, count in zip(rows, starts, accepted, strict=True):
+            self.manager.accept_verified(row, start, count)
 
     # --- KVCache's abstract interface: V4 has no per-layer K/V buffers --------------------------
 

@@ -45,6 +45,17 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
     def is_pin_memory_available(self, device=None) -> bool:
         return False
 
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        """EAGLE (NEXTN) with DeepSeek-V4's MTP layer, whose draft and verify run on torch ops here (other
+        models are refused at start: ``speculation._eagle_for_v4_only``)."""
+        return algorithm in ("EAGLE", "NEXTN")
+
+    def get_speculative_cache_locs_fn(self) -> Callable[..., torch.Tensor]:
+        """SGLang's speculative KV-slot gather, in torch."""
+        from .kernels.speculative import assign_extend_cache_locs
+
+        return assign_extend_cache_locs
+
 
 def on_torch_cpu_platform() -> bool:
     """Whether SGLang runs on this platform (its CPU paths are ours to choose)."""

@@ -25,6 +25,7 @@ from .platform import bind_rank_threads
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import register_serving_hooks
 from .settings import settings
+from .speculation import check_speculation, register_speculation_hooks, verify_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +49,20 @@ def register() -> None:
     _register_quantization_hooks()
     register_data_parallel_hooks()
     register_serving_hooks()
+    register_speculation_hooks()
     _register_prefix_cache()
 
 
 def _register_model() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
+    from .model.sglang_draft import DRAFT_ARCHITECTURE, DeepseekV4ForCausalLMNextN
     from .model.sglang_model import DeepseekV4ForCausalLM
     from .moe.fused_moe import register_cpu_forward
     from .platform import DISPATCH_KEY
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
+    ModelRegistry.models[DRAFT_ARCHITECTURE] = DeepseekV4ForCausalLMNextN
     register_cpu_forward(DISPATCH_KEY)
 
 
@@ -112,6 +116,7 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     view = resolving_view(server_args)
     check_tensor_parallel(served_config(hf_config), view.tp_size, view.attn_dp_size)
     check_attention_data_parallel(view)
+    check_speculation(view, hf_config)
     backends = list(_attention_backends())
     requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
     backend = requested if requested in backends else backends[0]
@@ -187,7 +192,7 @@ def _size_v4_pools(original, configurator):
     from .memory_pool.sizing import V4PoolConfigurator
 
     config = served_config(configurator.model_config.hf_config)
-    layout = PoolLayout(config, configurator.kv_cache_dtype)
+    layout = PoolLayout(config, configurator.kv_cache_dtype, verify_tokens())
     context = configurator.model_config.context_len if has_device_twins(configurator.device) else 0
     return V4PoolConfigurator(layout, get_schedule().max_running_requests, context)
 
@@ -204,6 +209,19 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
     from .kv_cache import V4KVPool
     from .memory_pool.ledger import KVLedger
 
+    if configurator.is_draft_worker:
+        # The EAGLE draft's view of the target's pool (its MTP layer's rows are there): SGLang hands the draft
+        # worker the target's request pool, whose auxiliary cache is the target's cache manager.
+        return V4KVPool(
+            size=sizes.max_total_num_tokens,
+            page_size=configurator.pool_page_size,
+            config=served_config(configurator.model_config.hf_config),
+            kv_dtype=configurator.kv_cache_dtype,
+            max_requests=req_to_token_pool.size,
+            max_context=req_to_token_pool.max_context_len,
+            device=configurator.device,
+            shared=req_to_token_pool._aux_cache,
+        )
     pool = V4KVPool(
         size=sizes.max_total_num_tokens,
         page_size=configurator.pool_page_size,
@@ -212,6 +230,7 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         max_requests=req_to_token_pool.size,
         max_context=req_to_token_pool.max_context_len,
         device=configurator.device,
+        verify_tokens=verify_tokens(),
     )
     # SGLang has each request's V4 rows reserved before a forward and returned when it frees the
     # request, through the request pool's auxiliary cache: the cache manager.

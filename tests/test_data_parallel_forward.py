@@ -109,16 +109,16 @@ class StatesInProcess:
     def init_forward_metadata(self, forward_batch) -> None:
         from sglang_dsv4.attention_backend.torch_reference import request_spans
 
-        self.spans = [span for span in request_spans(forward_batch) if span.request != 0]
+        self.spans = [span for span in request_spans(forward_batch) if span.row != 0]
         for span in self.spans:
-            if span.request not in self.states:
-                self.states[span.request] = self.network.new_state()
+            if span.row not in self.states:
+                self.states[span.row] = self.network.new_state()
 
     def attend(self, attention, layer: int, x: torch.Tensor, forward_batch) -> torch.Tensor:
         out = torch.full_like(x, float("nan"))
         for span in self.spans:
             rows = slice(span.offset, span.offset + span.length)
-            out[rows] = attention(x[rows], span.start, self.states[span.request].layers[layer])
+            out[rows] = attention(x[rows], span.start, self.states[span.row].layers[layer])
         return out
 
 

@@ -23,8 +23,8 @@ LAYERS = (
     ("memory_pool",),
     ("prefix_cache",),
     ("attention_backend",),
-    ("kv_cache", "plugin", "hooks", "platform", "quantization", "served_config", "serving", "data_parallel", "launch", "tiny",
-     "chat_template", "agentperf", "demo", "cli", "__init__"),
+    ("kv_cache", "plugin", "hooks", "platform", "quantization", "served_config", "serving", "data_parallel",
+     "speculation", "launch", "tiny", "chat_template", "agentperf", "demo", "cli", "__init__"),
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.
 UPWARD = {
@@ -34,6 +34,8 @@ UPWARD = {
     # refuses to start when a hook it needs did not apply.
     ("sglang_dsv4.model.sglang_model", "sglang_dsv4.served_config"),
     ("sglang_dsv4.model.sglang_model", "sglang_dsv4.hooks"),
+    # So does SGLang's draft model (the MTP layer) beside it.
+    ("sglang_dsv4.model.sglang_draft", "sglang_dsv4.served_config"),
     # The radix-cache factory SGLang calls checks that it was given the V4 pool.
     ("sglang_dsv4.prefix_cache.registration", "sglang_dsv4.kv_cache"),
     # The SGLang-facing backends are handed the pool as SGLang's KVCache.

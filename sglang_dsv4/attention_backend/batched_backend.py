@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+from ..memory_pool.storage import V4PoolStorage
 from ..model.attention import Attention
 from ..prefix_cache.checkpoints import Checkpoints
 from . import batched
 from .pool_bound import V4PoolBackend
-from .torch_reference import request_spans
+from .torch_reference import RequestSpan, request_spans
 
 NAME = "dsv4_batched"
 
@@ -36,11 +37,18 @@ class BatchedBackend(V4PoolBackend):
         super().__init__(model_runner)
         self.index: batched.ForwardIndex | None = None
         self.graph_index: batched.DecodeGraphIndex | None = None
+        # The batch rows the spans cover, where they do not cover all (a draft-extend forward's accepted rows).
+        self.covered: torch.Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool, storage = self.token_to_kv_pool, self.token_to_kv_pool.storage
         storage.tables.begin_forward()
-        plan = batch_plan(pool.checkpoints, forward_batch)
+        spans = request_spans(forward_batch)
+        plan = batch_plan(pool.checkpoints, spans)
+        if forward_batch.forward_mode.is_target_verify():
+            plan.snapshots.extend(rollback_snapshots(storage, spans))
+        covered = covered_rows(spans, forward_batch.positions.shape[0])
+        self.covered = None if covered is None else covered.to(storage.device)
         self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -58,6 +66,7 @@ class BatchedBackend(V4PoolBackend):
         self._graph_index().stage_checkpoints(pool.checkpoints.pending)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        self.covered = None
         self.index = self._graph_index().build(forward_batch.req_pool_indices, forward_batch.seq_lens)
 
     def _graph_index(self) -> batched.DecodeGraphIndex:
@@ -74,15 +83,39 @@ class BatchedBackend(V4PoolBackend):
             return torch.empty_like(x)
         if self.index is None:
             raise RuntimeError(f"{NAME}: attend before init_forward_metadata")
-        return attention.project_out(batched.attend(attention, layer, x, self.index, self.token_to_kv_pool.storage))
+        storage = self.token_to_kv_pool.storage
+        if self.covered is None:
+            return attention.project_out(batched.attend(attention, layer, x, self.index, storage))
+        out = torch.zeros_like(x)
+        out[self.covered] = attention.project_out(
+            batched.attend(attention, layer, x[self.covered], self.index, storage)
+        )
+        return out
 
 
-def batch_plan(checkpoints: Checkpoints, forward_batch: ForwardBatch) -> batched.BatchPlan:
+def batch_plan(checkpoints: Checkpoints, spans: list[RequestSpan]) -> batched.BatchPlan:
     """The forward's requests and the checkpoints it fills, as plain values."""
-    spans = request_spans(forward_batch)
     snapshots = [
         batched.Snapshot(i, checkpoint.position, checkpoint.record)
         for i, span in enumerate(spans)
         for checkpoint in checkpoints.between(span.row, span.start, span.start + span.length)
     ]
     return batched.BatchPlan([s.row for s in spans], [s.start for s in spans], [s.length for s in spans], snapshots)
+
+
+def rollback_snapshots(storage: V4PoolStorage, spans: list[RequestSpan]) -> list[batched.Snapshot]:
+    """A verify forward's rollback records: each request's state before it (copied now) and after each of its
+    tokens but the last (filled by the forward)."""
+    snapshots = []
+    for i, span in enumerate(spans):
+        storage.begin_verify(span.row)
+        for offset in range(1, span.length):
+            snapshots.append(batched.Snapshot(i, span.start + offset, storage.rollback_record(span.row, offset)))
+    return snapshots
+
+
+def covered_rows(spans: list[RequestSpan], tokens: int) -> torch.Tensor | None:
+    """The batch rows the spans run, in order; None when they are all ``tokens`` rows."""
+    if sum(span.length for span in spans) == tokens:
+        return None
+    return torch.cat([torch.arange(span.offset, span.offset + span.length) for span in spans])

@@ -93,6 +93,8 @@ class StateBuffer:
 class PoolLayout:
     config: DeepseekV4Config
     kv_dtype: torch.dtype
+    # Tokens per request of a speculative verify forward (EAGLE with the MTP layer; 0: no speculation).
+    verify_tokens: int = 0
 
     @property
     def formats(self) -> PoolFormats:
@@ -107,9 +109,23 @@ class PoolLayout:
     def row_bytes(self, buffer: CompressedBuffer) -> int:
         return self.format_of(buffer).row_bytes
 
+    @property
+    def layers(self) -> range:
+        """The layers the pool holds state for: the network's, and its MTP layer on a server drafting with it
+        (numbered after them; it reads and writes the pool at the target's positions, through the same request
+        tables)."""
+        return range(self.config.num_layers + (self.config.num_mtp_layers if self.verify_tokens else 0))
+
+    @property
+    def rollback_records_per_request_row(self) -> int:
+        """Under speculation, a running request's state record at each position a verify forward may stop at
+        but its last (where its live record is): restored when the target rejects the drafts after it. They
+        are the request's, never dropped as an optional checkpoint is."""
+        return self.verify_tokens
+
     def compressed_buffers(self) -> list[CompressedBuffer]:
         config, buffers = self.config, []
-        for layer in range(config.num_layers):
+        for layer in self.layers:
             kind = config.layer_kind(layer)
             if kind == "hca":
                 buffers.append(CompressedBuffer(layer, config.hca_rate, config.head_dim, "entries"))
@@ -120,7 +136,7 @@ class PoolLayout:
 
     def state_buffers(self) -> list[StateBuffer]:
         config, buffers = self.config, []
-        for layer in range(config.num_layers):
+        for layer in self.layers:
             kind = config.layer_kind(layer)
             if kind == "hca":
                 buffers.append(StateBuffer(layer, DISJOINT_POOLS, config.head_dim, "compressor"))
@@ -137,7 +153,7 @@ class PoolLayout:
     @property
     def window_slot_bytes(self) -> int:
         """One token's raw KV in every layer."""
-        return self.config.num_layers * self.formats.entries.row_bytes
+        return len(self.layers) * self.formats.entries.row_bytes
 
     @property
     def window_slots_per_request(self) -> int:
@@ -166,8 +182,9 @@ class PoolLayout:
 
     @property
     def state_bytes_per_request(self) -> int:
-        """A running request's compressor-state records (after its last forward, and before)."""
-        return RECORDS_PER_REQUEST_ROW * self.record_bytes
+        """A running request's compressor-state records (after its last forward, and before; under
+        speculation also its rollback records)."""
+        return (RECORDS_PER_REQUEST_ROW + self.rollback_records_per_request_row) * self.record_bytes
 
     @property
     def running_bytes_per_request(self) -> int:

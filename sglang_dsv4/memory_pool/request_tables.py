@@ -257,6 +257,23 @@ class RequestTables:
             self.release_window(row, positions[(slots > 0) & (self.window_slots.refs[slots] == 1)])
         return self.window_slots.free > free_before
 
+    def rewind(self, row: int, position: int) -> None:
+        """The row's forward stopped being true after ``position`` (a speculative verify whose later drafts
+        the target rejected): the window slots of the positions after it and the entry rows of the blocks
+        only they completed go back, and the row continues from ``position``."""
+        end = self.position[row]
+        if position >= end:
+            return
+        self.release_window(row, torch.arange(position, end))
+        for ratio in self.ratios:
+            keep, count = position // ratio, self.entry_count[ratio][row]
+            if count > keep:
+                self.entry_rows[ratio].release(self.entry_table[ratio][row, keep:count])
+                self.write_entries(ratio, row, slice(keep, count), 0)
+                self.entry_count[ratio][row] = keep
+        self.position[row] = position
+        self.last_step[row] -= end - position
+
     # --- reading ----------------------------------------------------------------------------
 
     def window_rows(self, row: int, first: int, last: int) -> torch.Tensor:

@@ -36,9 +36,12 @@ class V4PoolStorage:
         max_requests: int,
         max_context: int,
         device: torch.device | str,
+        verify_tokens: int = 0,
     ):
+        """``verify_tokens``: tokens per request of a speculative verify forward (0: no speculation), for which
+        the pool also holds the MTP layer's state and each row's rollback records (:class:`PoolLayout`)."""
         self.config, self.dtype, self.device = config, kv_dtype, torch.device(device)
-        self.layout = layout = PoolLayout(config, kv_dtype)
+        self.layout = layout = PoolLayout(config, kv_dtype, verify_tokens)
         request_rows = max_requests + 1
         compressed = layout.compressed_buffers()
         self.window_slots = SharedRows(request_rows * layout.window_slots_per_request, "window slots")
@@ -60,7 +63,7 @@ class V4PoolStorage:
         # Window rows are stored as compressed entries are: FP8-packed under an FP8 KV dtype.
         self.formats = layout.formats
         slots = self.window_slots.capacity + 1
-        self.window = [self.formats.entries.empty(slots, device) for _ in range(config.num_layers)]
+        self.window = [self.formats.entries.empty(slots, device) for _ in layout.layers]
         self.ratio = {(b.layer, b.kind): b.ratio for b in compressed}
         self.compressed = {
             (b.layer, b.kind): layout.format_of(b).empty(self.entry_rows[b.ratio].capacity + 1, device)
@@ -71,7 +74,12 @@ class V4PoolStorage:
         self.state = {(b.layer, b.kind): self._records(request_rows, b) for b in states}
         # Each row's record one token back: where a checkpoint a decode step late reads (see save_record).
         self.previous_state = {(b.layer, b.kind): self._records(request_rows, b) for b in states}
-        self.checkpoint_state = {(b.layer, b.kind): self._records(self.records.capacity + 1, b) for b in states}
+        # Checkpoint records, then each row's rollback records (see rollback_record): both backends fill
+        # either kind as a snapshot inside a forward.
+        self.verify_tokens = verify_tokens
+        self._first_rollback_record = self.records.capacity + 1
+        records = self._first_rollback_record + request_rows * layout.rollback_records_per_request_row
+        self.checkpoint_state = {(b.layer, b.kind): self._records(records, b) for b in states}
 
     def _records(self, rows: int, buffer: StateBuffer) -> torch.Tensor:
         return torch.zeros(rows, buffer.pools, 3, buffer.dim, dtype=STATE_DTYPE, device=self.device)
@@ -114,6 +122,29 @@ class V4PoolStorage:
         for (record_layer, kind), records in self.state.items():
             if record_layer == layer:
                 self.checkpoint_state[(layer, kind)][record] = records[row]
+
+    # --- speculative verify: rollback records ------------------------------------------------
+
+    def rollback_record(self, request: int, offset: int) -> int:
+        """The record holding the row's state ``offset`` tokens into its verify forward (``0 .. verify_tokens - 1``)."""
+        if not 0 <= offset < self.verify_tokens:
+            raise ValueError(f"rollback offset {offset} outside a verify of {self.verify_tokens} tokens")
+        return self._first_rollback_record + request * self.verify_tokens + offset
+
+    def begin_verify(self, request: int) -> None:
+        """The row's state before its verify forward is its rollback record at offset 0 (the forward fills the
+        later ones as it passes their positions)."""
+        self.save_record(request, self.rollback_record(request, 0))
+
+    def rollback(self, request: int, start: int, accepted: int) -> None:
+        """After a verify forward of ``verify_tokens`` tokens from ``start``, the row's state records at
+        ``start + accepted`` (``1 <= accepted <= verify_tokens``): those of the last accepted token, and one
+        token back (see :meth:`save_record`); its request tables rewound to that position."""
+        if accepted < self.verify_tokens:
+            self.restore_record(request, self.rollback_record(request, accepted))
+        for key, records in self.previous_state.items():
+            records[request] = self.checkpoint_state[key][self.rollback_record(request, accepted - 1)]
+        self.tables.rewind(request, start + accepted)
 
     # --- one request's layer state (the torch reference) -------------------------------------
 

@@ -46,7 +46,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.v4_config = served_config(config)
-        # Serving drafts nothing yet: the MTP layer's tensors are checked (if the checkpoint has them) and skipped.
+        # The MTP layer is the draft model's (sglang_draft.py): its tensors are checked here and skipped.
         self.data_parallel = is_dp_attention_enabled()
         self.network = DeepseekV4(
             self.v4_config.without_mtp(),
@@ -89,7 +89,17 @@ class DeepseekV4ForCausalLM(nn.Module):
             residual=residual,
         )
         hidden = residual.gather(network.norm(network.hc_head(streams)))
-        return self.logits_processor(input_ids, hidden, network.head, forward_batch)
+        # The streams before hc_head are what an EAGLE draft (the MTP layer) reads; SGLang keeps them only
+        # when its forward asks for hidden states.
+        capture = forward_batch.capture_hidden_mode
+        before_head = residual.gather(streams.flatten(1)) if capture is not None and capture.need_capture() else None
+        return self.logits_processor(
+            input_ids, hidden, network.head, forward_batch, hidden_states_before_norm=before_head
+        )
+
+    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and head weights SGLang's draft worker shares with the MTP layer."""
+        return self.network.embed.weight, self.network.head.weight
 
     def _residual(self, tokens: int) -> Residual:
         """One rank per request group: the whole streams. Otherwise this rank's token shard of them, within

@@ -44,7 +44,8 @@ def _admit_within_window_slots(add_one_req, adder, req, *args, **kwargs):
 
 
 def _decode_within_window_slots(check_decode_mem, batch, selected_indices=None):
-    """The next decode step fits SGLang's token pool and the window slots (one per request)."""
+    """The next decode step fits SGLang's token pool and the window slots (one per request, or under speculation
+    one per token of a verify forward)."""
     from .tree import V4RadixCache
 
     if not check_decode_mem(batch, selected_indices):
@@ -53,7 +54,8 @@ def _decode_within_window_slots(check_decode_mem, batch, selected_indices=None):
     if not isinstance(tree, V4RadixCache):
         return True
     count = len(batch.reqs) if selected_indices is None else len(selected_indices)
-    if tree.room_for_windows(count):
+    tokens = max(1, tree.manager.storage.verify_tokens)
+    if tree.room_for_windows(count * tree.window_slots_for_forward(tokens)):
         return True
     tree.note_held_back("decode_retractions")
     return False

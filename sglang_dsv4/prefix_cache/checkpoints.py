@@ -83,6 +83,15 @@ class Checkpoints:
         for checkpoint in self.pending.pop(row, []):
             self.release(checkpoint)
 
+    def drop_pending_after(self, request: int, position: int) -> None:
+        """The row was rewound to ``position`` (a verify's rejected drafts): its snapshots planned after it go,
+        so checkpoints land at accepted positions only."""
+        pending = self.pending.get(request, [])
+        for checkpoint in pending:
+            if checkpoint.position > position:
+                self.release(checkpoint)
+        self.pending[request] = [c for c in pending if c.position <= position]
+
     def drop_newest(self) -> bool:
         """A forward's own window slots ran short: drop the most recently planned snapshot not
         taken yet, with the slots its row held only for it (a forward not run yet skips them).

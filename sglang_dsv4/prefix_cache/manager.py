@@ -113,6 +113,13 @@ class CacheManager:
         self.checkpoints.drop_pending(row)
         self.tables.free(row)
 
+    def accept_verified(self, row: int, start: int, accepted: int) -> None:
+        """A verify forward of the row from ``start`` kept ``accepted`` tokens (the target's own and the drafts
+        it accepted): the row's state and tables go back to ``start + accepted`` (the rollback records the
+        forward filled), and the snapshots planned after it go."""
+        self.checkpoints.drop_pending_after(row, start + accepted)
+        self.storage.rollback(row, start, accepted)
+
     # --- SGLang's auxiliary-cache interface ----------------------------------------------------
 
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:

@@ -16,6 +16,10 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
     if not isinstance(pool, V4KVPool):
         raise ValueError(f"the dsv4 radix cache serves DeepSeek-V4's pool only, not {type(pool).__name__}")
     ctx.params.disable = ctx.disable_radix_cache
+    # Under EAGLE SGLang keys its radix tree by token pairs, since its draft's KV at a position depends on the next
+    # token. Ours keys by tokens: the MTP layer's rows ride in the V4 pool's window and records, and a resumed
+    # request's last one, made with another next token, can only make drafts worse, never the output.
+    ctx.params.is_eagle = False
     chosen = settings()
     return V4RadixCache(
         ctx.params,

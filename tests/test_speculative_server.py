@@ -1,0 +1,149 @@
+"""Speculative decoding served: SGLang's EAGLE worker drafting with V4's MTP layer (topk 1), through the real
+``python -m sglang.launch_server``. Greedy output with speculation is greedy output without, token for token, and
+every pool row comes back.
+
+The oracle is the network's own greedy decoding, one token per forward (:func:`greedy_decode`), in float32 as the
+servers run. Two servers: the shipped checkpoint (a trained MTP layer: many drafts accepted) on the batched
+backend, and a random config whose MTP layer has a ratio-4 compressor and indexer (a random MTP layer: nearly every
+draft rejected, so nearly every verify rolls back) on the torch reference backend. Each serves a batch of mixed
+prompt lengths with outputs across ratio-4 and ratio-128 block ends and the sliding window's end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from conftest import random_ids
+from random_configs import build_random_checkpoint
+from serving_checks import assert_pools_idle, generate
+
+from sglang_dsv4 import load_config, load_model
+from sglang_dsv4.launch import free_port, running_server, server_command
+from sglang_dsv4.model.speculative import greedy_decode, read_prompt
+from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
+
+SPECULATION = (
+    "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
+PROMPT_LENGTHS = (5, 60, 130, 250)
+NEW_TOKENS = (160, 40, 120, 80)
+# A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.
+RANDOM_MTP_SEED = 2
+LAUNCH_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def shipped_server(log_dir):
+    with running_server(
+        shipped_checkpoint(), "--dtype", "float32", *SPECULATION, log_path=log_dir / "speculative-shipped.log"
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def random_mtp_path(tmp_path_factory) -> Path:
+    path, _ = build_random_checkpoint(tmp_path_factory.mktemp("random-mtp"), RANDOM_MTP_SEED)
+    assert load_config(path).mtp_compress_ratios == (4,)
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_server(random_mtp_path, log_dir):
+    args = ["--dtype", "float32", "--attention-backend", "dsv4_torch", *SPECULATION]
+    with running_server(random_mtp_path, *args, log_path=log_dir / "speculative-random.log") as url:
+        yield url
+
+
+def serve_greedy(url: str, prompts: list[list[int]], new_tokens: tuple[int, ...]) -> list[dict]:
+    """The replies to the prompts sent at once (one batch of mixed lengths)."""
+
+    def one(ids: list[int], count: int) -> dict:
+        params = {"max_new_tokens": count, "temperature": 0, "ignore_eos": True}
+        reply = generate(url, ids, timeout=1200, sampling_params=params)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts, new_tokens))
+
+
+def assert_greedy_with_speculation_is_greedy_without(url: str, path: Path) -> list[float]:
+    """Served outputs against the network's greedy; the mean accepted lengths SGLang reports, checked against the
+    counts it reports beside them."""
+    model = load_model(path).float()
+    prompts = [random_ids(n, model.config.vocab_size, seed=n).tolist() for n in PROMPT_LENGTHS]
+    replies = serve_greedy(url, prompts, NEW_TOKENS)
+    accepted = []
+    for ids, count, reply in zip(prompts, NEW_TOKENS, replies, strict=True):
+        assert reply["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(ids)), count)
+        meta = reply["meta_info"]
+        assert meta["spec_accept_length"] == pytest.approx(count / meta["spec_verify_ct"])
+        accepted.append(meta["spec_accept_length"])
+    assert server_report(url)["avg_spec_accept_length"] >= 1  # SGLang's, until the flush below resets it
+    assert_pools_idle(url)
+    assert set(server_report(url)["dsv4_prefix_cache"]["rows_miscounted"].values()) == {0}
+    return accepted
+
+
+def server_report(url: str) -> dict:
+    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+
+
+def test_trained_mtp_greedy_with_speculation_is_greedy_without(shipped_server):
+    accepted = assert_greedy_with_speculation_is_greedy_without(shipped_server, shipped_checkpoint())
+    assert min(accepted) > 1.5  # the trained MTP layer's drafts are often right
+
+
+def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path):
+    accepted = assert_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path)
+    assert max(accepted) < 1.2  # a random MTP layer's drafts are nearly all rejected: nearly every verify rolls back
+
+
+def test_a_turn_resumed_from_the_prefix_cache_continues_as_a_cold_one(shipped_server):
+    model = load_model(shipped_checkpoint()).float()
+    first = random_ids(90, TINY_CONFIG["vocab_size"], seed=7).tolist()
+    (reply,) = serve_greedy(shipped_server, [first], (70,))
+    second = first + reply["output_ids"] + random_ids(20, TINY_CONFIG["vocab_size"], seed=8).tolist()
+    (resumed,) = serve_greedy(shipped_server, [second], (60,))
+    assert resumed["meta_info"]["cached_tokens"] >= len(first)
+    assert resumed["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(second)), 60)
+    assert_pools_idle(shipped_server)
+
+
+def test_sampling_on_a_speculating_server_is_refused_naming_it(shipped_server):
+    reply = generate(shipped_server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.7})
+    assert reply.status_code == 400
+    assert "verifies greedily only" in reply.text
+
+
+@pytest.mark.parametrize(
+    ("changes", "flags", "named"),
+    [
+        ({"num_nextn_predict_layers": 0}, SPECULATION, "the checkpoint has no MTP layer to draft with"),
+        ({}, (*SPECULATION[:4], "--speculative-eagle-topk", "2"), "--speculative-eagle-topk 2"),
+    ],
+    ids=["no-mtp-layer", "topk-2"],
+)
+def test_unserved_speculation_stops_the_launcher_naming_it(tmp_path, changes, flags, named):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
+    launched = subprocess.run(
+        server_command(tmp_path, free_port(), *flags),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        cwd=tmp_path,
+    )
+    output = launched.stdout + launched.stderr
+    assert launched.returncode != 0
+    assert named in output
+    assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model

@@ -95,16 +95,16 @@ def request_spans(forward_batch: ForwardBatch) -> list[RequestSpan]:
     a draft-extend forward after it has as many rows per request, of which the MTP layer reads only the
     accepted ones (``spec_info.num_accept_tokens``): the rest are rejected drafts.
     """
-    requests = forward_batch.req_pool_indices.tolist()
+    rows = forward_batch.req_pool_indices.tolist()
     mode = forward_batch.forward_mode
     if mode.is_target_verify() or mode.is_draft_extend_v2():
-        per_request = forward_batch.positions.shape[0] // max(1, len(requests))
-        offsets = list(range(0, per_request * len(requests), per_request))
-        starts = forward_batch.positions[offsets].tolist() if requests else []
-        lengths = [per_request] * len(requests)
+        per_request = forward_batch.positions.shape[0] // max(1, len(rows))
+        offsets = list(range(0, per_request * len(rows), per_request))
+        starts = forward_batch.positions[offsets].tolist() if rows else []
+        lengths = [per_request] * len(rows)
         if mode.is_draft_extend_v2():
             lengths = forward_batch.spec_info.num_accept_tokens.tolist()
-        return [RequestSpan(*span) for span in zip(requests, starts, lengths, offsets, strict=True)]
+        return [RequestSpan(*span) for span in zip(rows, starts, lengths, offsets, strict=True)]
     if mode.is_decode_or_idle():
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         starts = [n - 1 for n in seq_lens.tolist()]

@@ -55,8 +55,8 @@ def fill_ratio_index(
     *,
     ratio: int,
 ) -> None:
-    """Write one ratio's compressor targets and entry reads (``out``: the fields of ``CompressorTargets`` and
-    ``EntryReads`` by name, ``per_token`` absent for a ratio whose layers select their entries).
+    """Write one ratio's compressor targets and entry reads (``out``: the tensor fields of the batched core's
+    ``CompressorTargets``, of the ``BlockTargets`` inside it and of ``EntryReads``, by name, ``per_token`` absent for a ratio whose layers select their entries).
 
     ``pending`` is ``[request rows, k, 2]``: each row's next ``(position, record)`` checkpoints, -1 for none.
     """

@@ -279,6 +279,12 @@ def test_aborted_requests_on_both_ranks_return_every_row_and_the_ranks_serve_on_
         _assert_same(_generate(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
 
 
+# The two longest cases (2.5 and 2 minutes a backend) on the batched backend only, for CI's time: the torch
+# reference backend's DP path is the same scheduler, tables and pools, covered by the cases above and below.
+ON_THE_BATCHED_BACKEND = pytest.mark.parametrize("dp2", ["dsv4_batched"], indirect=True)
+
+
+@ON_THE_BATCHED_BACKEND
 def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_every_row(dp2):
     # The pool-exhaustion tests' rounds (long prompts, forks of earlier ones, n = 2, clients that leave),
     # under both hit modes and window policies, sent unpinned: SGLang's controller spreads them over the ranks.
@@ -312,6 +318,7 @@ def _until_eos(url: str, ids: list[int], new_tokens: int, rank: int) -> dict:
     return reply.json()
 
 
+@ON_THE_BATCHED_BACKEND
 def test_a_rank_whose_decode_outgrows_its_token_slots_retracts_and_finishes_exact(dp2):
     # As on the few_tokens server: four 500-token prompts admitted together on rank 1 (SGLang counts a tenth
     # of the outputs of those that may stop at EOS) whose 200-token outputs then do not fit its 2,600 slots.

@@ -279,8 +279,9 @@ def test_aborted_requests_on_both_ranks_return_every_row_and_the_ranks_serve_on_
         _assert_same(_generate(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
 
 
-# The two longest cases (2.5 and 2 minutes a backend) on the batched backend only, for CI's time: the torch
-# reference backend's DP path is the same scheduler, tables and pools, covered by the cases above and below.
+# The longest cases (random load, retraction, the fuzz: 4 minutes a backend) on the batched backend only, for
+# CI's time: the torch reference backend's DP path is the same scheduler, tables and pools, covered by the
+# cases above and below.
 ON_THE_BATCHED_BACKEND = pytest.mark.parametrize("dp2", ["dsv4_batched"], indirect=True)
 
 
@@ -366,6 +367,7 @@ DP_FUZZ_BATCHES = 4  # the single-process server's fuzz test runs for minutes; h
     suppress_health_check=list(HealthCheck),
 )
 @given(batch=st.lists(probes(), min_size=REQUESTS_PER_BATCH, max_size=REQUESTS_PER_BATCH))
+@ON_THE_BATCHED_BACKEND
 def test_fuzzed_requests_never_take_the_dp_server_down(dp2, expected, batch):
     # The bad-input fuzzer's requests, spread over the ranks by SGLang's controller, with correct ones
     # pinned to each rank among them.

@@ -288,9 +288,10 @@ def test_per_request_keeps_a_sessions_last_turn_and_releases_what_its_turns_resu
         assert matched == len(history), "a turn resumes where the last one ended"
         history = sequence
         check(scheduler)
-    # Kept: the other session's 40 (where this one branched off) and 42; this session's last prompt
-    # end, a token before it, its request end, and the end that turn resumed from.
+    # Kept: the other session's 39, 40 (where this one branched off: 39 is where a resend of that prompt
+    # resumes) and 42; this session's last prompt end, a token before it, its request end, and the end
+    # that turn resumed from.
     positions = sorted(c.position for c in tree.checkpoints.values())
-    assert len(positions) == 6 and positions[:2] == [40, 42], positions
-    # Released: 39 by the first turn, the second turn's two (the branch stops it), then three a turn.
-    assert tree.checkpoint_report()["checkpoint_evictions"]["superseded_at_resume"] == 1 + 2 + 3 * 3
+    assert len(positions) == 7 and positions[:3] == [39, 40, 42], positions
+    # Released: the second turn's two (the branch stops it), then three a turn.
+    assert tree.checkpoint_report()["checkpoint_evictions"]["superseded_at_resume"] == 2 + 3 * 3

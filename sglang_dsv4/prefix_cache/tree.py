@@ -221,12 +221,15 @@ class V4RadixCache(RadixCache):
     def _supersede_above(self, node: TreeNode) -> None:
         """A request resumes from the checkpoint at ``node``: those above it on its path, up to the
         nearest branch (above it the path is other prefixes' too), are superseded; released at once
-        unless the window policy keeps them, or a request holds its lock on one."""
+        unless the window policy keeps them, or a request holds its lock on one. The one a token short
+        of ``node`` stays live: a request that sends the same tokens again (a retry, a regeneration, a
+        fork) resumes there, since a hit must leave it a token to run."""
         release = not self.manager.window_policy.keeps_superseded
+        one_short = self._depth(node) - 1
         node = node.parent
         while node is not self.root_node and len(node.children) == 1:
             checkpoint = self.checkpoints.get(node)
-            if checkpoint is not None:
+            if checkpoint is not None and self._depth(node) != one_short:
                 checkpoint.superseded = True
                 if release and not _anchored(node):
                     self.evictions["superseded_at_resume"] += 1

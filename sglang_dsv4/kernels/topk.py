@@ -338,6 +338,18 @@ def _keep_kernel(
 
 
 @triton.jit
+def _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K: tl.constexpr):
+    """A row's length, how many slots it chooses (``min(k, length)``) and its output row, whose places past
+    those now hold ``-1``."""
+    length = tl.load(lengths_ptr + row)
+    k_eff = tl.minimum(k, length)
+    out_row = out_ptr + row * out_row_stride
+    ranks = tl.arange(0, BLOCK_K)
+    tl.store(out_row + ranks, -1, mask=(ranks >= k_eff) & (ranks < k))
+    return length, k_eff, out_row
+
+
+@triton.jit
 def _select_kernel(
     scores_ptr, scores_row_stride, lengths_ptr, kept_scores_ptr, kept_slots_ptr, kept_counts_ptr,
     out_ptr, out_row_stride, k, segments,
@@ -345,14 +357,10 @@ def _select_kernel(
 ):  # fmt: skip
     """Write the row's top-k slots: from its kept segments when they verify, else by streaming the row."""
     row = tl.program_id(0)
-    length = tl.load(lengths_ptr + row)
-    k_eff = tl.minimum(k, length)
-    out_row = out_ptr + row * out_row_stride
-    ranks = tl.arange(0, BLOCK_K)
-    tl.store(out_row + ranks, -1, mask=(ranks >= k_eff) & (ranks < k))
+    length, k_eff, out_row = _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K)
     if length <= k:
         for first in range(0, length, BLOCK_K):
-            slots = first + ranks
+            slots = first + tl.arange(0, BLOCK_K)
             tl.store(out_row + slots, slots, mask=slots < length)
     else:
         segment = tl.arange(0, SEGMENT_BLOCK)
@@ -411,11 +419,7 @@ def _whole_row_kernel(
 ):  # fmt: skip
     """Write one row's top-k slots, the row held in registers (``BLOCK`` places)."""
     row = tl.program_id(0)
-    length = tl.load(lengths_ptr + row)
-    k_eff = tl.minimum(k, length)
-    out_row = out_ptr + row * out_row_stride
-    ranks = tl.arange(0, BLOCK_K)
-    tl.store(out_row + ranks, -1, mask=(ranks >= k_eff) & (ranks < k))
+    length, k_eff, out_row = _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K)
     slots = tl.arange(0, BLOCK)
     valid = slots < length
     keys = _order_key(tl.load(scores_ptr + row * scores_row_stride + slots, mask=valid, other=0.0))

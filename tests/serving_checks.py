@@ -3,8 +3,12 @@ outputs are unchanged, and every pool comes back once no request is running."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import requests
 
 IDLE_TIMEOUT_S = 60
@@ -23,6 +27,20 @@ def greedy(url: str, ids: list[int], new_tokens: int) -> list[int]:
 
 def assert_healthy(url: str) -> None:
     assert requests.get(f"{url}/health", timeout=60).status_code == 200
+
+
+@contextlib.contextmanager
+def reported_if_down(log_path: Path, sent: object) -> Iterator[None]:
+    """Fail with what was sent and the server log's tail when the server stops answering connections
+    (a crash found by fuzzing in CI would otherwise leave only "connection refused")."""
+    try:
+        yield
+    except requests.ConnectionError:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        pytest.fail(f"the server stopped answering after:\n{sent!r}\nits log ends:\n{tail}", pytrace=False)
+
+
+LOG_TAIL_LINES = 60
 
 
 def wait_until_idle(url: str) -> dict:

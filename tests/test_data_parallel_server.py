@@ -1,5 +1,4 @@
-"""``--tp 2 --attn-dp-size 2 --ep-size 2`` on the CPU (gloo; attention-TP 1), on both attention backends,
-against one process.
+"""``--tp 2 --attn-dp-size 2 --ep-size 2`` on the CPU (gloo; attention-TP 1), against one process.
 
 Each DP rank has its own scheduler, requests, pools and prefix tree; the MoE runs over both
 ranks' rows (SGLang's DP-attention gather) with the experts split by EP. Requests are pinned to
@@ -8,7 +7,8 @@ before the DP server starts (one server at a time): every figure it gives is rec
 The DP server is short of token slots, as the pool-exhaustion tests' few_tokens server is, so that the
 pool-exhaustion, abort and bad-input cases run on it too: after each, every row is back on both ranks.
 Random configs (:mod:`random_configs`) are served the same way, one seed by default
-(``DSV4_CONFIG_SEEDS=N`` serves N), each on its own pair of servers.
+(``DSV4_CONFIG_SEEDS=N`` serves N), each on its own pair of servers, the DP one on the torch reference
+backend (the shipped checkpoint's DP server runs the batched one).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -25,7 +26,7 @@ from conftest import random_ids
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from random_configs import build_random_checkpoint, random_v4_config
-from serving_checks import assert_healthy, assert_pools_idle
+from serving_checks import assert_healthy, assert_pools_idle, reported_if_down
 from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, concurrently, random_round
 from test_prefix_cache_server import set_modes
 from test_untrusted_requests import CONTAINED_FAILURE, REQUESTS_PER_BATCH, assert_refused, post, probes, send
@@ -118,14 +119,17 @@ def expected(tiny_path, log_dir) -> dict:
 SCARCE_TOKENS = ("--max-total-tokens", "2600", "--chunked-prefill-size", "512", "--schedule-conservativeness", "0.1")
 
 
-@pytest.fixture(scope="module", params=["dsv4_batched", "dsv4_torch"])
-def dp2(request, tiny_path, log_dir, expected):
-    """The DP server on each attention backend in turn (idle ranks and padded rows go through both)."""
+@pytest.fixture(scope="module")
+def dp2(tiny_path, log_dir, expected):
+    """The DP server on the batched backend (the random-config case below serves DP on the torch reference)."""
     os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
-    args = ("--dtype", "float32", *DP_ARGS, *SCARCE_TOKENS)
-    log_path = log_dir / f"dp2-{request.param}-server.log"
-    with running_server(tiny_path, *args, "--attention-backend", request.param, log_path=log_path) as url:
+    args = ("--dtype", "float32", *DP_ARGS, *SCARCE_TOKENS, "--attention-backend", "dsv4_batched")
+    with running_server(tiny_path, *args, log_path=dp2_log(log_dir)) as url:
         yield url
+
+
+def dp2_log(log_dir: Path) -> Path:
+    return log_dir / "dp2-server.log"
 
 
 def test_both_ranks_at_once_give_the_single_process_tokens_and_logprobs(dp2, expected):
@@ -244,8 +248,10 @@ def test_a_random_config_at_dp_gives_the_single_process_servers_tokens_and_logpr
     prompts = [random_ids(300, raw["vocab_size"], seed=seed + rank).tolist() for rank in (0, 1)]
     with running_server(path, "--dtype", "float32", log_path=log_dir / f"dp-oracle-seed{seed}.log") as url:
         expected = [_generate(url, ids, NEW_TOKENS) for ids in prompts]
+    # On the torch reference backend (the dp2 server's cases run on the batched one).
+    dp_args = ("--dtype", "float32", *DP_ARGS, "--attention-backend", "dsv4_torch")
     dp_log = log_dir / f"dp2-seed{seed}.log"
-    with running_server(path, "--dtype", "float32", *DP_ARGS, log_path=dp_log) as url, ThreadPoolExecutor(2) as pool:
+    with running_server(path, *dp_args, log_path=dp_log) as url, ThreadPoolExecutor(2) as pool:
         served = list(pool.map(lambda rank: _generate(url, prompts[rank], NEW_TOKENS, rank), (0, 1)))
     for rank, (reply, oracle) in enumerate(zip(served, expected, strict=True)):
         _assert_same(reply, oracle, f"seed {seed}, rank {rank}")
@@ -279,13 +285,6 @@ def test_aborted_requests_on_both_ranks_return_every_row_and_the_ranks_serve_on_
         _assert_same(_generate(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
 
 
-# The longest cases (random load, retraction, the fuzz: 4 minutes a backend) on the batched backend only, for
-# CI's time: the torch reference backend's DP path is the same scheduler, tables and pools, covered by the
-# cases above and below.
-ON_THE_BATCHED_BACKEND = pytest.mark.parametrize("dp2", ["dsv4_batched"], indirect=True)
-
-
-@ON_THE_BATCHED_BACKEND
 def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_every_row(dp2):
     # The pool-exhaustion tests' rounds (long prompts, forks of earlier ones, n = 2, clients that leave),
     # under both hit modes and window policies, sent unpinned: SGLang's controller spreads them over the ranks.
@@ -319,7 +318,6 @@ def _until_eos(url: str, ids: list[int], new_tokens: int, rank: int) -> dict:
     return reply.json()
 
 
-@ON_THE_BATCHED_BACKEND
 def test_a_rank_whose_decode_outgrows_its_token_slots_retracts_and_finishes_exact(dp2):
     # As on the few_tokens server: four 500-token prompts admitted together on rank 1 (SGLang counts a tenth
     # of the outputs of those that may stop at EOS) whose 200-token outputs then do not fit its 2,600 slots.
@@ -367,16 +365,15 @@ DP_FUZZ_BATCHES = 4  # the single-process server's fuzz test runs for minutes; h
     suppress_health_check=list(HealthCheck),
 )
 @given(batch=st.lists(probes(), min_size=REQUESTS_PER_BATCH, max_size=REQUESTS_PER_BATCH))
-@ON_THE_BATCHED_BACKEND
-def test_fuzzed_requests_never_take_the_dp_server_down(dp2, expected, batch):
+def test_fuzzed_requests_never_take_the_dp_server_down(dp2, log_dir, expected, batch):
     # The bad-input fuzzer's requests, spread over the ranks by SGLang's controller, with correct ones
     # pinned to each rank among them.
-    with ThreadPoolExecutor(16) as pool:
+    with reported_if_down(dp2_log(log_dir), batch), ThreadPoolExecutor(16) as pool:
         fuzzed = [pool.submit(send, dp2, probe) for probe in batch]
         correct = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
         for future in fuzzed:
             future.result()
         for rank, reply in enumerate(correct):
             _assert_same(reply.result(), expected["prompts"][300], f"among fuzzed requests on rank {rank}")
-    assert_healthy(dp2)
-    assert_pools_idle(dp2)
+        assert_healthy(dp2)
+        assert_pools_idle(dp2)

@@ -15,13 +15,14 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
 from conftest import random_ids
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from serving_checks import assert_healthy, assert_pools_idle, greedy
+from serving_checks import assert_healthy, assert_pools_idle, greedy, reported_if_down
 
 from sglang_dsv4.launch import running_server
 from sglang_dsv4.serving.validation import (
@@ -40,8 +41,13 @@ CONTAINED_FAILURE = "keeps serving"  # in the 500 of a request whose forward rai
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, log_dir):
-    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "untrusted-server.log") as url:
+def server_log(log_dir) -> Path:
+    return log_dir / "untrusted-server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, server_log):
+    with running_server(tiny_path, "--dtype", "float32", log_path=server_log) as url:
         yield url
 
 
@@ -356,14 +362,14 @@ def fuzz_deadline(server) -> float:
     suppress_health_check=list(HealthCheck),
 )
 @given(batch=st.lists(probes(), min_size=REQUESTS_PER_BATCH, max_size=REQUESTS_PER_BATCH))
-def test_fuzzed_requests_never_take_the_server_down(server, references, fuzz_deadline, batch):
+def test_fuzzed_requests_never_take_the_server_down(server, server_log, references, fuzz_deadline, batch):
     if time.monotonic() > fuzz_deadline:
         return
-    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+    with reported_if_down(server_log, batch), concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
         fuzzed = [pool.submit(send, server, probe) for probe in batch]
         correct = [pool.submit(greedy, server, ref.ids, 8) for ref in references]
         for future in fuzzed:
             future.result()
         assert [future.result() for future in correct] == [ref.output for ref in references]
-    assert_healthy(server)
-    assert_pools_idle(server)
+        assert_healthy(server)
+        assert_pools_idle(server)

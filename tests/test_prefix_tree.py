@@ -271,6 +271,31 @@ def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_
     assert evictions["deepest"] == 0, evictions
 
 
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_a_turns_snapshots_are_skipped_rather_than_take_another_sessions_deepest_checkpoint(
+    tiny_model, window_policy
+):
+    """Issue 29: with records for one checkpoint a session and one more, the prompt-end snapshots a turn
+    plans find only other sessions' request ends to evict once the shallower ones are gone. They are
+    skipped instead (the turn's own end is worth more than they are, and takes the spare record), so every
+    session's next turn still resumes at its last request's end."""
+    sessions, turns = 8, 4
+    rng = random.Random(29)
+    scheduler = Scheduler(tiny_model.config, rng, ("records", sessions + 1))
+    scheduler.tree.manager.checkpoints.interval = 0
+    scheduler.tree.set_modes(window_policy=window_policy)
+    histories: list[list[int]] = [[] for _ in range(sessions)]
+    for _ in range(turns):
+        for session in range(sessions):
+            prompt = histories[session] + [rng.randrange(1024) for _ in range(rng.randrange(20, 60))]
+            matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
+            assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
+            histories[session] = sequence
+            check(scheduler)
+    assert scheduler.tree.checkpoint_report()["checkpoint_evictions"]["deepest"] == 0
+    assert scheduler.pool.checkpoints.skipped["records"] > 0
+
+
 def test_per_request_keeps_a_sessions_last_turn_and_releases_what_its_turns_resumed_past(tiny_model):
     """Issue 29: once a turn resumes from a checkpoint, those above it on its path are released
     (per_request), up to the nearest point where another prefix branches off: above it they serve

@@ -37,8 +37,9 @@ from .window_policy import PER_REQUEST, WindowPolicy
 class Evictions(Protocol):
     """What the prefix tree gives back when the manager asks; each says whether it freed anything."""
 
-    def evict_one_checkpoint(self) -> bool:
-        """Release the checkpoint worth least that no request holds its lock on."""
+    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
+        """Release the checkpoint worth least that no request holds its lock on (for a forward's snapshot:
+        none that is a session's deepest)."""
 
     def keep_only_resumed_windows(self) -> bool:
         """Every checkpoint keeps only the window a request resumed from it reads."""
@@ -50,7 +51,7 @@ class Evictions(Protocol):
 class NothingCached:
     """The evictions of a pool no prefix tree is bound to (yet): nothing is cached, nothing to give back."""
 
-    def evict_one_checkpoint(self) -> bool:
+    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
         return False
 
     def keep_only_resumed_windows(self) -> bool:
@@ -150,16 +151,17 @@ class CacheManager:
 
     def hold_optional_window(self, row: int, first: int, last: int) -> bool:
         """Slots for the row's positions ``first .. last - 1`` it does not hold yet, if the tree's
-        checkpoints worth least can make room for all of them; whether it holds them."""
+        checkpoints worth least, none a session's deepest, can make room for all of them; whether it
+        holds them."""
         missing = self.tables.missing_window(row, first, last)
-        room = self._room_for_optional(self.storage.window_slots, len(missing))
+        room = self._room_for_optional(self.storage.window_slots, len(missing), for_snapshot=True)
         return room and self.tables.hold_window(row, missing)
 
     def _plan_snapshots(self, row: int, start: int, end: int) -> None:
         """The snapshots a forward of ``start .. end - 1`` fills, as far as records and window slots allow."""
         window = self.storage.config.sliding_window
         for position in self.checkpoints.positions(start, end):
-            if not self._room_for_optional(self.storage.records, 1):
+            if not self._room_for_optional(self.storage.records, 1, for_snapshot=True):
                 self.checkpoints.skip(NO_RECORD)
             elif not self.hold_optional_window(row, position - window, position):
                 self.checkpoints.skip(NO_WINDOW_SLOTS)
@@ -178,8 +180,8 @@ class CacheManager:
             while rows.free < count and self.tree.evict_some_tokens():
                 pass
 
-    def _room_for_optional(self, rows: SharedRows, count: int) -> bool:
-        while rows.free < count and self.tree.evict_one_checkpoint():
+    def _room_for_optional(self, rows: SharedRows, count: int, for_snapshot: bool = False) -> bool:
+        while rows.free < count and self.tree.evict_one_checkpoint(for_snapshot):
             pass
         return rows.free >= count
 

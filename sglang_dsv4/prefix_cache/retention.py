@@ -10,7 +10,12 @@ holds (its window slots and its state record). Three things come before worth:
 * a session's deepest checkpoint (none below it on any path: its request end) is the last of its
   own to go, after every shallower one;
 * checkpoints a request holds its lock on (about to resume, or just made) never go; they are not
-  candidates here.
+  candidates here;
+* a snapshot a forward plans (a prompt's end, the token before it, an interval) or the window
+  slots all_committed keeps is never had at the price of a session's deepest checkpoint: the
+  forward's request leaves its own end below the snapshot, so the snapshot is worth less than a
+  deepest one whatever its tokens. Skipped instead (the planner counts it). A request's end or a
+  chunk's end may take a deepest one's place, by the order above.
 
 Ties go to the least recently used.
 
@@ -63,6 +68,9 @@ class ByWorth:
     def order(self, standing: Standing) -> tuple:
         return standing.order()
 
+    def may_go_for_snapshot(self, standing: Standing) -> bool:
+        return not standing.deepest
+
 
 class LeastRecentlyUsed:
     """The least recently used checkpoint goes first; nothing is superseded (the baseline)."""
@@ -72,6 +80,9 @@ class LeastRecentlyUsed:
 
     def order(self, standing: Standing) -> tuple:
         return (standing.last_used,)
+
+    def may_go_for_snapshot(self, standing: Standing) -> bool:
+        return True
 
 
 BY_WORTH, LEAST_RECENTLY_USED = ByWorth(), LeastRecentlyUsed()

@@ -185,12 +185,17 @@ class V4RadixCache(RadixCache):
     def note_held_back(self, reason: str) -> None:
         self.held_back[reason] += 1
 
-    def evict_one_checkpoint(self) -> bool:
+    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
         """Release the checkpoint worth least (:mod:`.retention`; under ``lru`` the least recently used)
-        that no request holds its lock on."""
+        that no request holds its lock on; ``for_snapshot``: to make room for what a forward plans, which
+        no session's deepest checkpoint is traded for (under ``worth``)."""
         standings = self._standings()
-        order = self.retention.order
-        candidates = [(order(standings[n]), id(n), n) for n in self.checkpoints if not _anchored(n)]
+        retention = self.retention
+        candidates = [
+            (retention.order(standings[n]), id(n), n)
+            for n in self.checkpoints
+            if not _anchored(n) and (not for_snapshot or retention.may_go_for_snapshot(standings[n]))
+        ]
         if not candidates:
             return False
         _, _, node = min(candidates)

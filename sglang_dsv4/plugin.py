@@ -112,11 +112,14 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
+    from .prefix_cache.registration import check_cache_tiers
+
     hooks.require_hooks_applied()
     view = resolving_view(server_args)
     check_tensor_parallel(served_config(hf_config), view.tp_size, view.attn_dp_size)
     check_attention_data_parallel(view)
     check_speculation(view, hf_config)
+    check_cache_tiers(view)
     backends = list(_attention_backends())
     requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
     backend = requested if requested in backends else backends[0]

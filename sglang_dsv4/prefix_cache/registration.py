@@ -1,13 +1,30 @@
-"""What SGLang calls: the radix-cache factory and the ``/set_internal_state`` handlers."""
+"""What SGLang calls: the radix-cache factory, the ``/set_internal_state`` handlers, and the launcher's check of
+cache tiers."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..config import ConfigError
 from ..kv_cache import V4KVPool
 from ..settings import settings
 from . import MODE_CODES
 from .tree import V4RadixCache
+
+# SGLang's tiers below the device pool, each copying KV in its own layout, not the V4 pool's rows and records.
+LOWER_TIERS = {"--enable-hierarchical-cache": "enable_hierarchical_cache", "--enable-lmcache": "enable_lmcache"}
+
+
+def check_cache_tiers(view: Any) -> None:
+    """Refuse, at launch, a cache tier below the device pool: the V4 prefix cache keeps its checkpoints
+    in device memory only (SGLang's HiCache would stop the scheduler in its first loop, LMCache copies a
+    KV layout V4's pool does not have)."""
+    for flag, name in LOWER_TIERS.items():
+        if getattr(view, name):
+            raise ConfigError(
+                f"{flag}: DeepSeek-V4's prefix cache keeps its checkpoints in device memory only (no host or "
+                f"storage tier in this sglang-dsv4); leave {flag} off"
+            )
 
 
 def build_v4_radix_cache(ctx: Any) -> V4RadixCache:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import requests
 
 STARTUP_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 30
 ONE_TORCH_THREAD = {"OMP_NUM_THREADS": "1"}
 """Server environment for load runs on a small shared host: with two torch threads each op's barrier waits out
 other processes' time slices, and decode under concurrent agents slows 10-30x."""
@@ -30,25 +32,42 @@ def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict
     """A CPU server on a free loopback port; yields its base URL and stops it on exit.
 
     Started from ``log_path``'s folder, outside any source tree, so the installed package
-    is the one imported.
+    is the one imported; in a process group of its own, so that stopping it stops every
+    process it started (schedulers, DP controller, detokenizer), whatever state it is in.
     """
     port = free_port()
     command = server_command(model_path, port, *extra_args)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})}
-        )
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_until_healthy(url, process, log_path)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process_group(process)
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (SGLang's launcher shuts its children down on it), then
+    SIGKILL to whatever of the group is left once the launcher has exited or ``STOP_TIMEOUT_S`` passed:
+    a server process left behind keeps its memory and its port for the rest of a test session."""
+    _signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(group: int, signal_number: int) -> None:
+    try:
+        os.killpg(group, signal_number)
+    except ProcessLookupError:
+        pass  # every process of the group has exited
 
 
 def server_command(model_path: Path, port: int, *extra_args: str) -> list[str]:

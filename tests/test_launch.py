@@ -1,0 +1,40 @@
+"""Stopping a server started by :func:`sglang_dsv4.launch.running_server` leaves none of its processes behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from sglang_dsv4.launch import stop_process_group
+
+# A launcher whose child ignores SIGTERM and outlives it, as a scheduler stuck in a forward would: the child's
+# pid is the launcher's first line of output.
+LAUNCHER = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); \\
+print(flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+child.stdout.readline()  # the child ignores SIGTERM from here on
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a killed process not reaped yet is a zombie: state Z)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stopping_a_server_stops_every_process_it_started_even_one_that_ignores_sigterm():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, start_new_session=True)
+    child = int(launcher.stdout.readline())
+    assert _alive(child)
+    stop_process_group(launcher)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:  # reaped by init once killed
+        time.sleep(0.1)
+    assert not _alive(child)

@@ -244,6 +244,27 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
     return match.device_prefix_len, list(req.full_untruncated_fill_ids[:owned])
 
 
+SESSIONS = 8
+
+
+def sessions_take_turns(tiny_model, window_policy: str, spare_records: int, turns: int = 4) -> Scheduler:
+    """``SESSIONS`` sessions take ``turns`` turns each, round robin, with checkpoint records for one
+    checkpoint a session and ``spare_records`` more; every turn must resume at its session's last end."""
+    rng = random.Random(29)
+    scheduler = Scheduler(tiny_model.config, rng, ("records", SESSIONS + spare_records))
+    scheduler.tree.manager.checkpoints.interval = 0
+    scheduler.tree.set_modes(window_policy=window_policy)
+    histories: list[list[int]] = [[] for _ in range(SESSIONS)]
+    for _ in range(turns):
+        for session in range(SESSIONS):
+            prompt = histories[session] + [rng.randrange(1024) for _ in range(rng.randrange(20, 60))]
+            matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
+            assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
+            histories[session] = sequence
+            check(scheduler)
+    return scheduler
+
+
 @pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
 def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_one_per_session(
     tiny_model, window_policy
@@ -252,19 +273,7 @@ def test_every_sessions_next_turn_finds_its_deepest_checkpoint_with_records_for_
     leaves checkpoints at its prompt's end, a token before it and its request's end; under plain LRU the
     session idle longest loses its only live one to the newer checkpoints of the others. per_request
     releases the checkpoints a turn resumes past at once; all_committed keeps them, to be evicted first."""
-    sessions, turns = 8, 4
-    rng = random.Random(29)
-    scheduler = Scheduler(tiny_model.config, rng, ("records", sessions + 2))
-    scheduler.tree.manager.checkpoints.interval = 0
-    scheduler.tree.set_modes(window_policy=window_policy)
-    histories: list[list[int]] = [[] for _ in range(sessions)]
-    for _ in range(turns):
-        for session in range(sessions):
-            prompt = histories[session] + [rng.randrange(1024) for _ in range(rng.randrange(20, 60))]
-            matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
-            assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
-            histories[session] = sequence
-            check(scheduler)
+    scheduler = sessions_take_turns(tiny_model, window_policy, spare_records=2)
     evictions = scheduler.tree.checkpoint_report()["checkpoint_evictions"]
     superseded = "superseded_at_resume" if window_policy == "per_request" else "superseded"
     assert evictions[superseded] > 0, evictions
@@ -279,19 +288,7 @@ def test_a_turns_snapshots_are_skipped_rather_than_take_another_sessions_deepest
     plans find only other sessions' request ends to evict once the shallower ones are gone. They are
     skipped instead (the turn's own end is worth more than they are, and takes the spare record), so every
     session's next turn still resumes at its last request's end."""
-    sessions, turns = 8, 4
-    rng = random.Random(29)
-    scheduler = Scheduler(tiny_model.config, rng, ("records", sessions + 1))
-    scheduler.tree.manager.checkpoints.interval = 0
-    scheduler.tree.set_modes(window_policy=window_policy)
-    histories: list[list[int]] = [[] for _ in range(sessions)]
-    for _ in range(turns):
-        for session in range(sessions):
-            prompt = histories[session] + [rng.randrange(1024) for _ in range(rng.randrange(20, 60))]
-            matched, sequence = run_turn(scheduler, prompt, new_tokens=3)
-            assert matched == len(histories[session]), f"session {session} lost its deepest checkpoint"
-            histories[session] = sequence
-            check(scheduler)
+    scheduler = sessions_take_turns(tiny_model, window_policy, spare_records=1)
     assert scheduler.tree.checkpoint_report()["checkpoint_evictions"]["deepest"] == 0
     assert scheduler.pool.checkpoints.skipped["records"] > 0
 

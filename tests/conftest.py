@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from sglang_dsv4 import load_model
+from sglang_dsv4.launch import running_server
 from sglang_dsv4.tiny import build_checkpoint, build_quantized_checkpoint, dequantized_twin
 
 
@@ -47,6 +49,20 @@ def twin_path(quantized_tiny_path: Path, tmp_path_factory: pytest.TempPathFactor
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where servers write their logs (never into a checkpoint directory)."""
     return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
+def tiny_server_log(log_dir: Path) -> Path:
+    return log_dir / "tiny-server.log"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_path: Path, tiny_server_log: Path) -> Iterator[str]:
+    """One float32 server of the tiny checkpoint with SGLang's cache report, shared by every module that
+    needs it as it starts (a server start costs about a minute of CI on two cores). Its prefix cache is
+    shared too: a test flushes it where it counts cached tokens, and sets back any mode it changes."""
+    with running_server(tiny_path, "--dtype", "float32", "--enable-cache-report", log_path=tiny_server_log) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

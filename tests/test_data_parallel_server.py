@@ -2,8 +2,8 @@
 
 Each DP rank has its own scheduler, requests, pools and prefix tree; the MoE runs over both
 ranks' rows (SGLang's DP-attention gather) with the experts split by EP. Requests are pinned to
-a rank with ``routed_dp_rank``. The oracle is the single-process server, run first and stopped
-before the DP server starts (one server at a time): every figure it gives is recorded up front.
+a rank with ``routed_dp_rank``. The oracle is the session's single-process server
+(:func:`conftest.tiny_server`): every figure it gives is recorded up front.
 The DP server is short of token slots, as the pool-exhaustion tests' few_tokens server is, so that the
 pool-exhaustion, abort and bad-input cases run on it too: after each, every row is back on both ranks.
 Random configs (:mod:`random_configs`) are served the same way, one seed by default
@@ -102,16 +102,39 @@ def _internal_states(url: str) -> list[dict]:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"]
 
 
+def _until_eos(url: str, ids: list[int], new_tokens: int, rank: int | None = None) -> dict:
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0}}
+    if rank is not None:
+        payload["routed_dp_rank"] = rank
+    reply = requests.post(f"{url}/generate", json=payload, timeout=900)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+# As on the few_tokens server: four 500-token prompts admitted together on one rank (SGLang counts a tenth of
+# the outputs of those that may stop at EOS) whose 200-token outputs then do not fit its 2,600 slots.
+RETRACTED_PROMPTS = [[random.Random(seed).randrange(VOCAB) for _ in range(500)] for seed in range(23, 27)]
+RETRACTED_OUTPUT = 200
+
+
+def _until_eos_concurrently(url: str, prompts: list[list[int]], rank: int | None = None) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda ids: _until_eos(url, ids, RETRACTED_OUTPUT, rank), prompts))
+    return replies
+
+
 @pytest.fixture(scope="module")
-def expected(tiny_path, log_dir) -> dict:
+def expected(tiny_server) -> dict:
     """The single-process server's answers to every request the tests send."""
-    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "dp-oracle-server.log") as url:
-        return {
-            "prompts": {length: _generate(url, ids, NEW_TOKENS) for length, ids in PROMPTS.items()},
-            "long decode": _generate(url, PROMPTS[5], LONG_DECODE),
-            "session": (session := _session(url, None)),
-            "cold second turn": _cold_second_turn(url, session[0]),
-        }
+    url = tiny_server
+    _flush(url)  # the session's shared server: the session tests count cached tokens
+    return {
+        "prompts": {length: _generate(url, ids, NEW_TOKENS) for length, ids in PROMPTS.items()},
+        "long decode": _generate(url, PROMPTS[5], LONG_DECODE),
+        "session": (session := _session(url, None)),
+        "cold second turn": _cold_second_turn(url, session[0]),
+        "until eos": _until_eos_concurrently(url, RETRACTED_PROMPTS),
+    }
 
 
 # Token slots per DP rank for about two of the retraction test's requests at once (as the pool-exhaustion
@@ -309,26 +332,12 @@ def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_ev
     assert_pools_idle(dp2)
 
 
-def _until_eos(url: str, ids: list[int], new_tokens: int, rank: int) -> dict:
-    params = {"max_new_tokens": new_tokens, "temperature": 0}
-    reply = requests.post(
-        f"{url}/generate", json={"input_ids": ids, "sampling_params": params, "routed_dp_rank": rank}, timeout=900
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def test_a_rank_whose_decode_outgrows_its_token_slots_retracts_and_finishes_exact(dp2):
-    # As on the few_tokens server: four 500-token prompts admitted together on rank 1 (SGLang counts a tenth
-    # of the outputs of those that may stop at EOS) whose 200-token outputs then do not fit its 2,600 slots.
-    prompts = [[random.Random(seed).randrange(VOCAB) for _ in range(500)] for seed in range(23, 27)]
+def test_a_rank_whose_decode_outgrows_its_token_slots_retracts_and_finishes_exact(dp2, expected):
     _flush(dp2)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(lambda ids: _until_eos(dp2, ids, 200, 1), prompts))
+    replies = _until_eos_concurrently(dp2, RETRACTED_PROMPTS, rank=1)
     assert sum(reply["meta_info"]["num_retractions"] for reply in replies) > 0, "rank 1 never retracted a request"
-    for ids, reply in zip(prompts, replies, strict=True):
-        _flush(dp2)
-        assert reply["output_ids"] == _until_eos(dp2, ids, 200, 0)["output_ids"], "differs from rank 0's cold run"
+    for reply, oracle in zip(replies, expected["until eos"], strict=True):
+        assert reply["output_ids"] == oracle["output_ids"], "differs from the single-process server's"
     assert_pools_idle(dp2)
 
 

@@ -17,7 +17,6 @@ from conftest import random_ids
 from test_v4_server import assert_everything_free, pool_usage
 
 from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
-from sglang_dsv4.launch import running_server
 from sglang_dsv4.prefix_cache import mode_code
 
 # The first turns of one recorded session of ../shared/data/agentic_trajectories.jsonl.gz (messages cut to
@@ -27,11 +26,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, log_dir):
-    with running_server(
-        tiny_path, "--dtype", "float32", "--enable-cache-report", log_path=log_dir / "prefix_cache_server.log"
-    ) as url:
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 
 def generate(url: str, ids: list[int], max_new_tokens: int, logprobs_from: int | None = None) -> dict:

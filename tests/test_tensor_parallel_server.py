@@ -28,9 +28,8 @@ def _serve(tiny_path, log_path, *args):
 
 
 @pytest.fixture(scope="module")
-def single(tiny_path, log_dir):
-    with _serve(tiny_path, log_dir / "tp1-server.log") as url:
-        yield url
+def single(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

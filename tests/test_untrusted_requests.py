@@ -15,7 +15,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import requests
@@ -24,7 +23,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from serving_checks import assert_healthy, assert_pools_idle, greedy, reported_if_down
 
-from sglang_dsv4.launch import running_server
 from sglang_dsv4.serving.validation import (
     MAX_LOGIT_BIAS,
     MAX_SAMPLES_PER_REQUEST,
@@ -41,14 +39,8 @@ CONTAINED_FAILURE = "keeps serving"  # in the 500 of a request whose forward rai
 
 
 @pytest.fixture(scope="module")
-def server_log(log_dir) -> Path:
-    return log_dir / "untrusted-server.log"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path, server_log):
-    with running_server(tiny_path, "--dtype", "float32", log_path=server_log) as url:
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 
 def post(url: str, route: str, payload: dict) -> requests.Response:
@@ -362,10 +354,10 @@ def fuzz_deadline(server) -> float:
     suppress_health_check=list(HealthCheck),
 )
 @given(batch=st.lists(probes(), min_size=REQUESTS_PER_BATCH, max_size=REQUESTS_PER_BATCH))
-def test_fuzzed_requests_never_take_the_server_down(server, server_log, references, fuzz_deadline, batch):
+def test_fuzzed_requests_never_take_the_server_down(server, tiny_server_log, references, fuzz_deadline, batch):
     if time.monotonic() > fuzz_deadline:
         return
-    with reported_if_down(server_log, batch), concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+    with reported_if_down(tiny_server_log, batch), concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
         fuzzed = [pool.submit(send, server, probe) for probe in batch]
         correct = [pool.submit(greedy, server, ref.ids, 8) for ref in references]
         for future in fuzzed:

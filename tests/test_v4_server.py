@@ -14,9 +14,8 @@ from sglang_dsv4.launch import running_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, log_dir):
-    with running_server(tiny_path, "--dtype", "float32", log_path=log_dir / "server.log") as url:
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

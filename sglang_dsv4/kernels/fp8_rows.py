@@ -2,6 +2,10 @@
 
 The kernels load a row's bytes and rebuild its values exactly (an E4M3 value times a power of two, a bf16
 value) with integer operations and bit casts only, so the same code runs compiled and under the interpreter.
+An indexer key's float32 scale is loaded whole, through a float32 pointer (the rows and the scale's offset are
+multiples of 4 bytes, :mod:`.kv_format`): four byte loads per value took the ratio-4 core over twice as long.
+An entry's bf16 rope values stay two byte loads: through a bf16 pointer the ratio-128 core measured 2x slower
+(benchmarks/NOTES.md, issue 30).
 """
 
 from __future__ import annotations
@@ -50,8 +54,5 @@ def fp8_key_rows(rows_ptr, rows, row_stride, valid, DIM: tl.constexpr, SCALE_OFF
     row_bytes = rows_ptr + rows[:, None] * row_stride
     mask = valid[:, None] & (columns < DIM)
     fp8 = tl.load(row_bytes + columns, mask=mask, other=0).to(tl.int32)
-    scale_bytes = row_bytes + SCALE_OFFSET + 4 * (columns // 128)
-    bits = tl.load(scale_bytes, mask=mask, other=0).to(tl.int32)
-    for byte in tl.static_range(1, 4):
-        bits = bits | (tl.load(scale_bytes + byte, mask=mask, other=0).to(tl.int32) << (8 * byte))
-    return _e4m3_value(fp8) * bits.to(tl.float32, bitcast=True)
+    scales = (row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
+    return _e4m3_value(fp8) * tl.load(scales + columns // 128, mask=mask, other=0.0)

@@ -12,11 +12,14 @@ What SGLang needs from this package, and where it gets it:
 * the verify's rows: SGLang reserves token slots for it without asking the request pool's auxiliary cache,
   so :func:`_reserve_for_verify` has the cache manager reserve the request tables up to the verify's end;
 * the rollback after a verify: SGLang calls the KV pool's ``clear_unaccepted_c128_draft_states``
-  (:meth:`sglang_dsv4.kv_cache.V4KVPool.clear_unaccepted_c128_draft_states`).
+  (:meth:`sglang_dsv4.kv_cache.V4KVPool.clear_unaccepted_c128_draft_states`);
+* the verify's sampling (temperature > 0): SGLang's target-only chain rule, whose kernels it resolves to None on
+  a platform it does not know (:func:`_sample_with_torch_kernels`).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,17 @@ _KERNELS = {
     "sglang.kernels.ops.speculative.eagle.fill_bonus_tokens_func": "fill_bonus_tokens",
     "sglang.kernels.ops.speculative.eagle.fill_accept_out_cache_loc_func": "fill_accept_out_cache_loc",
 }
-SPECULATION_HOOKS = (_EAGLE_FAMILY, _VERIFY_RESERVATION, _DRAFT_DECODE_BACKEND, _DRAFT_EXTEND_BACKEND, *_KERNELS)
+# Sampling kernels SGLang's verify module imports by name, resolved once per platform: None on ours.
+_VERIFY_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
+_SAMPLING_KERNELS = ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob")
+SPECULATION_HOOKS = (
+    _EAGLE_FAMILY,
+    _VERIFY_RESERVATION,
+    _DRAFT_DECODE_BACKEND,
+    _DRAFT_EXTEND_BACKEND,
+    _VERIFY_SAMPLE,
+    *_KERNELS,
+)
 
 
 def register_speculation_hooks() -> None:
@@ -50,6 +63,7 @@ def register_speculation_hooks() -> None:
     HookRegistry.register(_VERIFY_RESERVATION, _reserve_for_verify, HookType.AROUND)
     HookRegistry.register(_DRAFT_DECODE_BACKEND, _draft_decode_backend, HookType.AROUND)
     HookRegistry.register(_DRAFT_EXTEND_BACKEND, _draft_extend_backend, HookType.AROUND)
+    HookRegistry.register(_VERIFY_SAMPLE, _sample_with_torch_kernels, HookType.AROUND)
     for target, name in _KERNELS.items():
         HookRegistry.register(target, _on_this_platform(name), HookType.AROUND)
 
@@ -64,6 +78,20 @@ def _on_this_platform(name: str):
         return (twin if on_torch_cpu_platform() else original)(*args, **kwargs)
 
     return choose
+
+
+def _sample_with_torch_kernels(original, *args, **kwargs):
+    """SGLang's verify (``eagle_sample``); on the CPU platform its sampling kernels, which SGLang imported as None
+    there, bound to their torch twins first. A name set to None cannot be hooked (the hook registry would patch
+    every None it finds), so the twins are bound in the one module that calls them, where it holds None."""
+    if on_torch_cpu_platform():
+        from .kernels import speculative
+
+        caller = sys.modules[original.__module__]
+        for name in _SAMPLING_KERNELS:
+            if getattr(caller, name) is None:
+                setattr(caller, name, getattr(speculative, name))
+    return original(*args, **kwargs)
 
 
 def verify_tokens() -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import scipy.stats
 import torch
 from conftest import random_ids
 from random_configs import build_random_checkpoint
@@ -39,6 +40,11 @@ NEW_TOKENS = (160, 40, 120, 80)
 # A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.
 RANDOM_MTP_SEED = 2
 LAUNCH_TIMEOUT_S = 240
+# The speculative sampling test: requests, tokens sampled from each, and the chi-square test's significance level
+# (the chance that a correct server fails it).
+SAMPLES = 150
+SAMPLED_TOKENS = 3
+SIGNIFICANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +125,49 @@ def test_a_turn_resumed_from_the_prefix_cache_continues_as_a_cold_one(shipped_se
     assert_pools_idle(shipped_server)
 
 
-def test_sampling_on_a_speculating_server_is_refused_naming_it(shipped_server):
-    reply = generate(shipped_server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.7})
-    assert reply.status_code == 400
-    assert "verifies greedily only" in reply.text
+@torch.inference_mode()
+def first_tokens_distribution(model, prompt: list[int], length: int, temperature: float, top_k: int) -> dict:
+    """The network's probability of each sequence of ``length`` first tokens sampled at ``temperature`` among
+    the ``top_k`` most probable: the product of each token's renormalized probability given those before it."""
+    distribution = {(): 1.0}
+    for _ in range(length):
+        extended = {}
+        for before, chance in distribution.items():
+            logits = model(torch.tensor(prompt + list(before)), model.new_state())[-1].double()
+            top = torch.softmax(logits / temperature, dim=-1).topk(top_k)
+            for token, probability in zip(top.indices.tolist(), (top.values / top.values.sum()).tolist()):
+                extended[(*before, token)] = chance * probability
+        distribution = extended
+    return distribution
+
+
+def chi_square_p_value(samples: list[tuple[int, ...]], distribution: dict) -> float:
+    """Pearson's test of ``samples`` against ``distribution``; sequences expected fewer than 5 times (and any
+    outside it) are pooled into one cell."""
+    count = len(samples)
+    common = [key for key, chance in distribution.items() if chance * count >= 5]
+    observed = [samples.count(key) for key in common]
+    expected = [distribution[key] * count for key in common]
+    observed.append(count - sum(observed))
+    expected.append(count - sum(expected))
+    return float(scipy.stats.chisquare(observed, expected).pvalue)
+
+
+def test_sampled_tokens_with_speculation_follow_the_networks_distribution(shipped_server):
+    """Speculative sampling (SGLang's target-only chain rule) keeps the model's distribution: the first
+    ``SAMPLED_TOKENS`` tokens of ``SAMPLES`` requests (the first from the prefill's sampler, the others from
+    verifies that accept and reject drafts) against their exact probabilities, at significance ``SIGNIFICANCE``."""
+    model = load_model(shipped_checkpoint()).float()
+    prompt = random_ids(16, TINY_CONFIG["vocab_size"], seed=11).tolist()
+    params = {"max_new_tokens": SAMPLED_TOKENS, "temperature": 0.8, "top_k": 3, "ignore_eos": True}
+    reply = generate(shipped_server, [prompt] * SAMPLES, timeout=600, sampling_params=params)
+    assert reply.status_code == 200, reply.text
+    samples = [tuple(one["output_ids"]) for one in reply.json()]
+    distribution = first_tokens_distribution(model, prompt, SAMPLED_TOKENS, 0.8, 3)
+    assert chi_square_p_value(samples, distribution) > SIGNIFICANCE
+    accepted = [one["meta_info"]["spec_accept_length"] for one in reply.json()]
+    assert 1 < sum(accepted) / len(accepted) < SAMPLED_TOKENS  # drafts both accepted and rejected
+    assert_pools_idle(shipped_server)
 
 
 @pytest.mark.parametrize(

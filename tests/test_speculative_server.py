@@ -40,6 +40,9 @@ NEW_TOKENS = (160, 40, 120, 80)
 # A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.
 RANDOM_MTP_SEED = 2
 LAUNCH_TIMEOUT_S = 240
+# The shipped server's prefill chunk: prompts longer than it are prefilled in chunks before the first draft.
+CHUNK_TOKENS = 128
+N_NEW_TOKENS = 24
 # The speculative sampling test: requests, tokens sampled from each, and the chi-square test's significance level
 # (the chance that a correct server fails it).
 SAMPLES = 150
@@ -49,10 +52,14 @@ SIGNIFICANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def shipped_server(log_dir):
-    with running_server(
-        shipped_checkpoint(), "--dtype", "float32", *SPECULATION, log_path=log_dir / "speculative-shipped.log"
-    ) as url:
+    args = ["--dtype", "float32", "--chunked-prefill-size", str(CHUNK_TOKENS), *SPECULATION]
+    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-shipped.log") as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def shipped_model():
+    return load_model(shipped_checkpoint()).float()
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +160,11 @@ def chi_square_p_value(samples: list[tuple[int, ...]], distribution: dict) -> fl
     return float(scipy.stats.chisquare(observed, expected).pvalue)
 
 
-def test_sampled_tokens_with_speculation_follow_the_networks_distribution(shipped_server):
+def test_sampled_tokens_with_speculation_follow_the_networks_distribution(shipped_server, shipped_model):
     """Speculative sampling (SGLang's target-only chain rule) keeps the model's distribution: the first
     ``SAMPLED_TOKENS`` tokens of ``SAMPLES`` requests (the first from the prefill's sampler, the others from
     verifies that accept and reject drafts) against their exact probabilities, at significance ``SIGNIFICANCE``."""
-    model = load_model(shipped_checkpoint()).float()
+    model = shipped_model
     prompt = random_ids(16, TINY_CONFIG["vocab_size"], seed=11).tolist()
     params = {"max_new_tokens": SAMPLED_TOKENS, "temperature": 0.8, "top_k": 3, "ignore_eos": True}
     reply = generate(shipped_server, [prompt] * SAMPLES, timeout=600, sampling_params=params)
@@ -167,6 +174,74 @@ def test_sampled_tokens_with_speculation_follow_the_networks_distribution(shippe
     assert chi_square_p_value(samples, distribution) > SIGNIFICANCE
     accepted = [one["meta_info"]["spec_accept_length"] for one in reply.json()]
     assert 1 < sum(accepted) / len(accepted) < SAMPLED_TOKENS  # drafts both accepted and rejected
+    assert_pools_idle(shipped_server)
+
+
+def test_a_prompt_prefilled_in_chunks_then_speculated_is_greedy(shipped_server, shipped_model):
+    model = shipped_model
+    prompt = random_ids(3 * CHUNK_TOKENS + 50, TINY_CONFIG["vocab_size"], seed=21).tolist()  # four chunks
+    assert server_report(shipped_server)["chunked_prefill_size"] == CHUNK_TOKENS
+    (reply,) = serve_greedy(shipped_server, [prompt], (40,))
+    assert reply["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(prompt)), 40)
+    assert reply["meta_info"]["spec_verify_ct"] < 40  # drafts were accepted: it speculated
+    assert_pools_idle(shipped_server)
+
+
+def leave_mid_stream(url: str, ids: list[int], events: int, temperature: float) -> None:
+    """A streaming client that closes its connection after ``events`` events (the server aborts its request)."""
+    params = {"max_new_tokens": 400, "temperature": temperature, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": params, "stream": True}
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+        assert reply.status_code == 200, reply.text
+        for _, _ in zip(range(events), reply.iter_lines(), strict=False):
+            pass
+
+
+def aborted_by_id(url: str, ids: list[int], rid: str) -> dict:
+    """A request aborted through ``/abort_request`` once it streams (mid-speculation): its last event."""
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": params, "stream": True, "rid": rid}
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+        events = (line for line in reply.iter_lines() if line.startswith(b"data: {"))
+        last = json.loads(next(events)[len(b"data: ") :])
+        assert requests.post(f"{url}/abort_request", json={"rid": rid}, timeout=60).status_code == 200
+        for line in events:
+            last = json.loads(line[len(b"data: ") :])
+    return last
+
+
+def test_aborted_and_disconnected_requests_mid_speculation_return_every_row(shipped_server, shipped_model):
+    # At once: clients gone mid-speculation (greedy and sampled), one gone during a chunked prefill, one aborted
+    # by id while it speculates, and one kept, which must be greedy's.
+    model = shipped_model
+    prompts = [random_ids(n, TINY_CONFIG["vocab_size"], seed=30 + n).tolist() for n in (40, 90, 300, 60, 120)]
+    with ThreadPoolExecutor(5) as pool:
+        left = [pool.submit(leave_mid_stream, shipped_server, prompts[0], 5, 0.0)]
+        left.append(pool.submit(leave_mid_stream, shipped_server, prompts[1], 5, 0.8))
+        left.append(pool.submit(leave_mid_stream, shipped_server, prompts[2], 0, 0.0))
+        aborted = pool.submit(aborted_by_id, shipped_server, prompts[3], "speculating-then-aborted")
+        kept = pool.submit(serve_greedy, shipped_server, [prompts[4]], (40,))
+        for client in left:
+            client.result()
+        assert aborted.result()["meta_info"]["finish_reason"]["type"] == "abort"
+        (reply,) = kept.result()
+    assert reply["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(prompts[4])), 40)
+    assert_pools_idle(shipped_server)
+
+
+def test_n_samples_with_speculation(shipped_server, shipped_model):
+    # n = 3 greedy: three copies of greedy's output; n = 3 sampled: three outputs of the asked length.
+    model = shipped_model
+    prompt = random_ids(50, TINY_CONFIG["vocab_size"], seed=41).tolist()
+    expected = greedy_decode(model, read_prompt(model, torch.tensor(prompt)), N_NEW_TOKENS)
+    for temperature in (0.0, 0.8):
+        params = {"max_new_tokens": N_NEW_TOKENS, "temperature": temperature, "ignore_eos": True, "n": 3}
+        reply = generate(shipped_server, prompt, timeout=600, sampling_params=params)
+        assert reply.status_code == 200, reply.text
+        outputs = [one["output_ids"] for one in reply.json()]
+        assert [len(output) for output in outputs] == [N_NEW_TOKENS] * 3
+        if temperature == 0:
+            assert outputs == [expected] * 3
     assert_pools_idle(shipped_server)
 
 

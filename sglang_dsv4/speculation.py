@@ -106,7 +106,9 @@ def verify_tokens() -> int:
 def check_speculation(view: Any, hf_config: Any) -> None:
     """Refuse, naming what is missing, a speculative configuration this package does not serve for a V4
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
-    the chain's, a separate draft model, a checkpoint without an MTP layer, or a parallel layout."""
+    the chain's, decode graphs on a platform that captures them (SGLang would capture the verify and the draft
+    steps, whose batches this package's graph hooks do not index yet), a separate draft model, a checkpoint
+    without an MTP layer, or a parallel layout."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -124,6 +126,11 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-num-draft-tokens {drafts}: a chain of --speculative-num-steps {steps} drafts is verified "
             f"as {steps + 1} tokens"
         )
+    if captures_decode_graphs(view):
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm}: the verify and draft batches do not run through CUDA graphs "
+            "yet; add --disable-cuda-graph (or --cuda-graph-backend-decode disabled)"
+        )
     model_path = str(getattr(hf_config, "_name_or_path", ""))
     if view.speculative_draft_model_path not in (None, model_path):
         raise ConfigError(
@@ -140,6 +147,14 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-algorithm {algorithm}: served on one rank only so far (got --tp {view.tp_size}, "
             f"attention DP {view.attn_dp_size})"
         )
+
+
+def captures_decode_graphs(view: Any) -> bool:
+    """Whether SGLang will capture decode graphs: the platform can (CUDA can; the CPU platform cannot) and the
+    resolved ``--cuda-graph-backend-decode`` is not ``disabled`` (``--disable-cuda-graph`` sets it so)."""
+    from sglang.srt.platforms import current_platform
+
+    return current_platform.capabilities.graph_capture and view.cuda_graph_config.decode.backend != "disabled"
 
 
 def _holds_mtp_tensors(model_path: str, hf_config: Any) -> bool:

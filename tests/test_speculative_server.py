@@ -15,6 +15,7 @@ import json
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -24,7 +25,8 @@ from conftest import random_ids
 from random_configs import build_random_checkpoint
 from serving_checks import assert_pools_idle, generate
 
-from sglang_dsv4 import load_config, load_model
+from sglang_dsv4 import load_config, load_model, speculation
+from sglang_dsv4.config import ConfigError
 from sglang_dsv4.launch import free_port, running_server, server_command
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
 from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
@@ -267,3 +269,23 @@ def test_unserved_speculation_stops_the_launcher_naming_it(tmp_path, changes, fl
     assert launched.returncode != 0
     assert named in output
     assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model
+
+
+def test_speculation_with_decode_graphs_is_refused_where_graphs_are_captured(monkeypatch):
+    # The verify and draft batches have no CUDA-graph path yet: a platform that captures graphs (CUDA) must be
+    # told --disable-cuda-graph at start. The CPU platform captures none, so it serves speculation as it is.
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.platforms.interface import PlatformCapabilities
+
+    def view(decode_graphs: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
+            speculative_num_draft_tokens=4, speculative_draft_model_path=None, tp_size=1, attn_dp_size=1,
+            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=decode_graphs)),
+        )  # fmt: skip
+
+    assert not speculation.captures_decode_graphs(view("full"))
+    monkeypatch.setattr(type(current_platform), "capabilities", PlatformCapabilities(graph_capture=True))
+    with pytest.raises(ConfigError, match="do not run through CUDA graphs yet; add --disable-cuda-graph"):
+        speculation.check_speculation(view("full"), hf_config=None)
+    assert not speculation.captures_decode_graphs(view("disabled"))

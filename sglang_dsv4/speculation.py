@@ -12,11 +12,14 @@ What SGLang needs from this package, and where it gets it:
 * the verify's rows: SGLang reserves token slots for it without asking the request pool's auxiliary cache,
   so :func:`_reserve_for_verify` has the cache manager reserve the request tables up to the verify's end;
 * the rollback after a verify: SGLang calls the KV pool's ``clear_unaccepted_c128_draft_states``
-  (:meth:`sglang_dsv4.kv_cache.V4KVPool.clear_unaccepted_c128_draft_states`).
+  (:meth:`sglang_dsv4.kv_cache.V4KVPool.clear_unaccepted_c128_draft_states`);
+* the verify's sampling (temperature > 0): SGLang's target-only chain rule, whose kernels it resolves to None on
+  a platform it does not know (:func:`_sample_with_torch_kernels`).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,17 @@ _KERNELS = {
     "sglang.kernels.ops.speculative.eagle.fill_bonus_tokens_func": "fill_bonus_tokens",
     "sglang.kernels.ops.speculative.eagle.fill_accept_out_cache_loc_func": "fill_accept_out_cache_loc",
 }
-SPECULATION_HOOKS = (_EAGLE_FAMILY, _VERIFY_RESERVATION, _DRAFT_DECODE_BACKEND, _DRAFT_EXTEND_BACKEND, *_KERNELS)
+# Sampling kernels SGLang's verify module imports by name, resolved once per platform: None on ours.
+_VERIFY_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
+_SAMPLING_KERNELS = ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob")
+SPECULATION_HOOKS = (
+    _EAGLE_FAMILY,
+    _VERIFY_RESERVATION,
+    _DRAFT_DECODE_BACKEND,
+    _DRAFT_EXTEND_BACKEND,
+    _VERIFY_SAMPLE,
+    *_KERNELS,
+)
 
 
 def register_speculation_hooks() -> None:
@@ -50,6 +63,7 @@ def register_speculation_hooks() -> None:
     HookRegistry.register(_VERIFY_RESERVATION, _reserve_for_verify, HookType.AROUND)
     HookRegistry.register(_DRAFT_DECODE_BACKEND, _draft_decode_backend, HookType.AROUND)
     HookRegistry.register(_DRAFT_EXTEND_BACKEND, _draft_extend_backend, HookType.AROUND)
+    HookRegistry.register(_VERIFY_SAMPLE, _sample_with_torch_kernels, HookType.AROUND)
     for target, name in _KERNELS.items():
         HookRegistry.register(target, _on_this_platform(name), HookType.AROUND)
 
@@ -66,6 +80,20 @@ def _on_this_platform(name: str):
     return choose
 
 
+def _sample_with_torch_kernels(original, *args, **kwargs):
+    """SGLang's verify (``eagle_sample``); on the CPU platform its sampling kernels, which SGLang imported as None
+    there, bound to their torch twins first. A name set to None cannot be hooked (the hook registry would patch
+    every None it finds), so the twins are bound in the one module that calls them, where it holds None."""
+    if on_torch_cpu_platform():
+        from .kernels import speculative
+
+        caller = sys.modules[original.__module__]
+        for name in _SAMPLING_KERNELS:
+            if getattr(caller, name) is None:
+                setattr(caller, name, getattr(speculative, name))
+    return original(*args, **kwargs)
+
+
 def verify_tokens() -> int:
     """Tokens per request of this server's verify forwards: ``--speculative-num-draft-tokens``, 0 without
     speculation (in a process SGLang's runtime context is set up in)."""
@@ -78,7 +106,9 @@ def verify_tokens() -> int:
 def check_speculation(view: Any, hf_config: Any) -> None:
     """Refuse, naming what is missing, a speculative configuration this package does not serve for a V4
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
-    the chain's, a separate draft model, a checkpoint without an MTP layer, or a parallel layout."""
+    the chain's, decode graphs on a platform that captures them (SGLang would capture the verify and the draft
+    steps, whose batches this package's graph hooks do not index yet), a separate draft model, a checkpoint
+    without an MTP layer, or a parallel layout."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -96,6 +126,11 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-num-draft-tokens {drafts}: a chain of --speculative-num-steps {steps} drafts is verified "
             f"as {steps + 1} tokens"
         )
+    if captures_decode_graphs(view):
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm}: the verify and draft batches do not run through CUDA graphs "
+            "yet; add --disable-cuda-graph (or --cuda-graph-backend-decode disabled)"
+        )
     model_path = str(getattr(hf_config, "_name_or_path", ""))
     if view.speculative_draft_model_path not in (None, model_path):
         raise ConfigError(
@@ -112,6 +147,14 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-algorithm {algorithm}: served on one rank only so far (got --tp {view.tp_size}, "
             f"attention DP {view.attn_dp_size})"
         )
+
+
+def captures_decode_graphs(view: Any) -> bool:
+    """Whether SGLang will capture decode graphs: the platform can (CUDA can; the CPU platform cannot) and the
+    resolved ``--cuda-graph-backend-decode`` is not ``disabled`` (``--disable-cuda-graph`` sets it so)."""
+    from sglang.srt.platforms import current_platform
+
+    return current_platform.capabilities.graph_capture and view.cuda_graph_config.decode.backend != "disabled"
 
 
 def _holds_mtp_tensors(model_path: str, hf_config: Any) -> bool:

@@ -3,6 +3,11 @@ kernels, under Triton's interpreter (in a process of their own: see ``kernel_tes
 
 The draft trees are built by SGLang's own drafting steps (``select_top_k_tokens``, ``organize_draft_results``)
 from random scores: chains (topk 1, what the server drafts) and trees (topk 2, 3).
+
+SGLang's sampling verify (``tree_speculative_sampling_target_only``) is a CUDA kernel only: ``sgl_kernel`` does not
+import on a host without CUDA, and SGLang resolves the name to None there. Its torch twin is checked against a
+line-by-line transcription of the kernel (``TreeSpeculativeSamplingTargetOnly`` with FlashInfer's
+``DeviceSamplingFromProb``), and the renormalizations before it against SGLang's torch sampler's cuts.
 """
 
 from __future__ import annotations
@@ -143,3 +148,129 @@ def test_slot_assignment_is_sglangs():
     fill_accept_out_cache_loc[(12,)](accept_index, out_cache_loc, kept[0], 16)
     speculative.fill_accept_out_cache_loc(accept_index, out_cache_loc, kept[1], 12)
     assert torch.equal(kept[1], kept[0])
+
+
+def transcribed_target_only_sampling(
+    candidates, retrieve_index, next_token, next_sibling, coins, final_coins, target_probs, draft_probs,
+    steps, threshold_single, threshold_acc,
+):  # fmt: skip
+    """SGLang's ``TreeSpeculativeSamplingTargetOnly`` CUDA kernel, one block (request) after another, scalar by
+    scalar: ``(predicts, accept_index, accept_token_num)``; ``draft_probs`` is written in place as the kernel
+    writes it."""
+    batch, draft_tokens = candidates.shape
+    vocab = target_probs.shape[-1]
+    flat_target, flat_draft = target_probs.reshape(-1), draft_probs.reshape(-1)
+    predicts = torch.zeros(batch * draft_tokens, dtype=torch.int32)
+    accept_index = torch.full((batch, steps), -1, dtype=torch.int32)
+    accept_token_num = torch.zeros(batch, dtype=torch.int32)
+    threshold_acc = max(threshold_acc, 1e-9)
+    for bx in range(batch):
+        prob_acc = 0.0
+        cur_prob_offset = bx * draft_tokens * vocab
+        coin = float(coins[bx, 0])
+        last_accepted = int(retrieve_index[bx, 0])
+        accept_index[bx, 0] = last_accepted
+        num_accepted = 0
+        cur_index = 0
+        for _ in range(1, steps):
+            cur_index = int(next_token[bx, cur_index])
+            while cur_index != -1:
+                draft_index = int(retrieve_index[bx, cur_index])
+                draft_token_id = int(candidates[bx, cur_index])
+                target_prob_single = float(flat_target[cur_prob_offset + draft_token_id])
+                prob_acc += target_prob_single
+                if target_prob_single > 0 and (
+                    coin < prob_acc / threshold_acc or target_prob_single >= threshold_single
+                ):
+                    prob_acc = 0.0
+                    cur_prob_offset = (bx * draft_tokens + cur_index) * vocab
+                    coin = float(coins[bx, cur_index])
+                    predicts[last_accepted] = draft_token_id
+                    num_accepted += 1
+                    accept_index[bx, num_accepted] = draft_index
+                    last_accepted = draft_index
+                    break
+                flat_draft[cur_prob_offset + draft_token_id] = flat_target[cur_prob_offset + draft_token_id]
+                cur_index = int(next_sibling[bx, cur_index])
+            if cur_index == -1:
+                break
+        accept_token_num[bx] = num_accepted
+        relu = []
+        for i in range(vocab):
+            q = float(flat_target[cur_prob_offset + i])
+            p = float(flat_draft[cur_prob_offset + i]) if num_accepted != steps - 1 else 0.0
+            relu.append(max(q - p, 0.0))
+        u = float(final_coins[bx]) * sum(relu)
+        sampled, last_valid, aggregate = vocab, -1, 0.0
+        for i, x in enumerate(relu):
+            aggregate += x
+            if x > 0:
+                last_valid = i
+                if aggregate > u:
+                    sampled = i
+                    break
+        if sampled == vocab:
+            sampled = vocab - 1 if last_valid == -1 else last_valid
+        predicts[last_accepted] = sampled
+    return predicts, accept_index, accept_token_num
+
+
+@launcher_only
+@pytest.mark.parametrize(("topk", "draft_tokens"), CASES)
+@pytest.mark.parametrize(("threshold_single", "threshold_acc"), [(1.0, 1.0), (0.3, 0.6)])
+def test_target_only_sampling_is_the_kernels_rule(topk, draft_tokens, threshold_single, threshold_acc):
+    seq_lens = torch.tensor([7, 130, 1, 12])
+    batch, vocab = len(seq_lens), 50
+    parent_list, top_scores_index, drafts = draft_tree(batch, topk, draft_tokens, seed=topk)
+    _, _, (retrieve_index, next_token, next_sibling) = built_tree(
+        speculative.build_tree, parent_list, top_scores_index, seq_lens, topk, draft_tokens
+    )
+    candidates = torch.cat([torch.full((batch, 1), 7), drafts], dim=1)
+    generator = torch.Generator().manual_seed(topk)
+    for trial in range(8):
+        # Peaked targets on the drafts (many accepted), some tokens without mass (drafts among them).
+        logits = torch.randn(batch, draft_tokens, vocab, generator=generator)
+        logits.scatter_add_(2, candidates.roll(-1, dims=1).unsqueeze(-1), torch.full((batch, draft_tokens, 1), 3.0))
+        logits[torch.rand(logits.shape, generator=generator) < 0.2] = -torch.inf
+        target_probs = torch.softmax(logits, dim=-1)
+        coins = torch.rand(batch, draft_tokens, generator=generator)
+        final_coins = torch.rand(batch, generator=generator)
+        final_coins[0] = 1 - 2**-24  # the largest coin: rounding may leave no token past it
+        expected_draft_probs = torch.zeros_like(target_probs)
+        expected = transcribed_target_only_sampling(
+            candidates, retrieve_index, next_token, next_sibling, coins, final_coins, target_probs,
+            expected_draft_probs, STEPS + 1, threshold_single, threshold_acc,
+        )  # fmt: skip
+        draft_probs = torch.zeros_like(target_probs)
+        predicts = torch.zeros(batch * draft_tokens, dtype=torch.int32)
+        accept_index = torch.full((batch, STEPS + 1), -1, dtype=torch.int32)
+        accepted = torch.zeros(batch, dtype=torch.int32)
+        speculative.tree_speculative_sampling_target_only(
+            predicts=predicts, accept_index=accept_index, accept_token_num=accepted, candidates=candidates,
+            retrive_index=retrieve_index, retrive_next_token=next_token, retrive_next_sibling=next_sibling,
+            uniform_samples=coins, uniform_samples_for_final_sampling=final_coins, target_probs=target_probs,
+            draft_probs=draft_probs, threshold_single=threshold_single, threshold_acc=threshold_acc,
+        )  # fmt: skip
+        for actual, wanted in zip((predicts, accept_index, accepted), expected, strict=True):
+            assert torch.equal(actual, wanted), trial
+        assert torch.equal(draft_probs, expected_draft_probs)
+
+
+@launcher_only
+def test_renormalizations_cut_as_sglangs_torch_sampler():
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(6, 40, generator=generator), dim=-1)
+    top_ks, top_ps = torch.tensor([1, 2, 5, 40, 7, 1 << 30]), torch.tensor([0.05, 0.3, 0.5, 0.9, 0.99, 1.0])
+    no_top_k, no_top_p = torch.full_like(top_ks, 1 << 30), torch.ones_like(top_ps)
+    cuts = {
+        "top_k": (speculative.top_k_renorm_prob(probs, top_ks), top_ks, no_top_p),
+        "top_p": (speculative.top_p_renorm_prob(probs, top_ps), no_top_k, top_ps),
+    }
+    for name, (renormalized, ks, ps) in cuts.items():
+        _, kept, order, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs.clone(), ks, ps, torch.zeros(6), False, None, None, return_filtered_probs=True
+        )
+        expected = torch.zeros_like(probs).scatter_(-1, order.long(), kept)
+        torch.testing.assert_close(renormalized, expected / expected.sum(dim=-1, keepdim=True), msg=name)

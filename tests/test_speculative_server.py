@@ -15,15 +15,18 @@ import json
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
+import scipy.stats
 import torch
 from conftest import random_ids
 from random_configs import build_random_checkpoint
 from serving_checks import assert_pools_idle, generate
 
-from sglang_dsv4 import load_config, load_model
+from sglang_dsv4 import load_config, load_model, speculation
+from sglang_dsv4.config import ConfigError
 from sglang_dsv4.launch import free_port, running_server, server_command
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
 from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
@@ -39,14 +42,26 @@ NEW_TOKENS = (160, 40, 120, 80)
 # A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.
 RANDOM_MTP_SEED = 2
 LAUNCH_TIMEOUT_S = 240
+# The shipped server's prefill chunk: prompts longer than it are prefilled in chunks before the first draft.
+CHUNK_TOKENS = 128
+N_NEW_TOKENS = 24
+# The speculative sampling test: requests, tokens sampled from each, and the chi-square test's significance level
+# (the chance that a correct server fails it).
+SAMPLES = 150
+SAMPLED_TOKENS = 3
+SIGNIFICANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
 def shipped_server(log_dir):
-    with running_server(
-        shipped_checkpoint(), "--dtype", "float32", *SPECULATION, log_path=log_dir / "speculative-shipped.log"
-    ) as url:
+    args = ["--dtype", "float32", "--chunked-prefill-size", str(CHUNK_TOKENS), *SPECULATION]
+    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-shipped.log") as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def shipped_model():
+    return load_model(shipped_checkpoint()).float()
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +134,117 @@ def test_a_turn_resumed_from_the_prefix_cache_continues_as_a_cold_one(shipped_se
     assert_pools_idle(shipped_server)
 
 
-def test_sampling_on_a_speculating_server_is_refused_naming_it(shipped_server):
-    reply = generate(shipped_server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.7})
-    assert reply.status_code == 400
-    assert "verifies greedily only" in reply.text
+@torch.inference_mode()
+def first_tokens_distribution(model, prompt: list[int], length: int, temperature: float, top_k: int) -> dict:
+    """The network's probability of each sequence of ``length`` first tokens sampled at ``temperature`` among
+    the ``top_k`` most probable: the product of each token's renormalized probability given those before it."""
+    distribution = {(): 1.0}
+    for _ in range(length):
+        extended = {}
+        for before, chance in distribution.items():
+            logits = model(torch.tensor(prompt + list(before)), model.new_state())[-1].double()
+            top = torch.softmax(logits / temperature, dim=-1).topk(top_k)
+            for token, probability in zip(top.indices.tolist(), (top.values / top.values.sum()).tolist()):
+                extended[(*before, token)] = chance * probability
+        distribution = extended
+    return distribution
+
+
+def chi_square_p_value(samples: list[tuple[int, ...]], distribution: dict) -> float:
+    """Pearson's test of ``samples`` against ``distribution``; sequences expected fewer than 5 times (and any
+    outside it) are pooled into one cell."""
+    count = len(samples)
+    common = [key for key, chance in distribution.items() if chance * count >= 5]
+    observed = [samples.count(key) for key in common]
+    expected = [distribution[key] * count for key in common]
+    observed.append(count - sum(observed))
+    expected.append(count - sum(expected))
+    return float(scipy.stats.chisquare(observed, expected).pvalue)
+
+
+def test_sampled_tokens_with_speculation_follow_the_networks_distribution(shipped_server, shipped_model):
+    """Speculative sampling (SGLang's target-only chain rule) keeps the model's distribution: the first
+    ``SAMPLED_TOKENS`` tokens of ``SAMPLES`` requests (the first from the prefill's sampler, the others from
+    verifies that accept and reject drafts) against their exact probabilities, at significance ``SIGNIFICANCE``."""
+    model = shipped_model
+    prompt = random_ids(16, TINY_CONFIG["vocab_size"], seed=11).tolist()
+    params = {"max_new_tokens": SAMPLED_TOKENS, "temperature": 0.8, "top_k": 3, "ignore_eos": True}
+    reply = generate(shipped_server, [prompt] * SAMPLES, timeout=600, sampling_params=params)
+    assert reply.status_code == 200, reply.text
+    samples = [tuple(one["output_ids"]) for one in reply.json()]
+    distribution = first_tokens_distribution(model, prompt, SAMPLED_TOKENS, 0.8, 3)
+    assert chi_square_p_value(samples, distribution) > SIGNIFICANCE
+    accepted = [one["meta_info"]["spec_accept_length"] for one in reply.json()]
+    assert 1 < sum(accepted) / len(accepted) < SAMPLED_TOKENS  # drafts both accepted and rejected
+    assert_pools_idle(shipped_server)
+
+
+def test_a_prompt_prefilled_in_chunks_then_speculated_is_greedy(shipped_server, shipped_model):
+    model = shipped_model
+    prompt = random_ids(3 * CHUNK_TOKENS + 50, TINY_CONFIG["vocab_size"], seed=21).tolist()  # four chunks
+    assert server_report(shipped_server)["chunked_prefill_size"] == CHUNK_TOKENS
+    (reply,) = serve_greedy(shipped_server, [prompt], (40,))
+    assert reply["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(prompt)), 40)
+    assert reply["meta_info"]["spec_verify_ct"] < 40  # drafts were accepted: it speculated
+    assert_pools_idle(shipped_server)
+
+
+def leave_mid_stream(url: str, ids: list[int], events: int, temperature: float) -> None:
+    """A streaming client that closes its connection after ``events`` events (the server aborts its request)."""
+    params = {"max_new_tokens": 400, "temperature": temperature, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": params, "stream": True}
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+        assert reply.status_code == 200, reply.text
+        for _, _ in zip(range(events), reply.iter_lines(), strict=False):
+            pass
+
+
+def aborted_by_id(url: str, ids: list[int], rid: str) -> dict:
+    """A request aborted through ``/abort_request`` once it streams (mid-speculation): its last event."""
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": params, "stream": True, "rid": rid}
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as reply:
+        events = (line for line in reply.iter_lines() if line.startswith(b"data: {"))
+        last = json.loads(next(events)[len(b"data: ") :])
+        assert requests.post(f"{url}/abort_request", json={"rid": rid}, timeout=60).status_code == 200
+        for line in events:
+            last = json.loads(line[len(b"data: ") :])
+    return last
+
+
+def test_aborted_and_disconnected_requests_mid_speculation_return_every_row(shipped_server, shipped_model):
+    # At once: clients gone mid-speculation (greedy and sampled), one gone during a chunked prefill, one aborted
+    # by id while it speculates, and one kept, which must be greedy's.
+    model = shipped_model
+    prompts = [random_ids(n, TINY_CONFIG["vocab_size"], seed=30 + n).tolist() for n in (40, 90, 300, 60, 120)]
+    with ThreadPoolExecutor(5) as pool:
+        left = [pool.submit(leave_mid_stream, shipped_server, prompts[0], 5, 0.0)]
+        left.append(pool.submit(leave_mid_stream, shipped_server, prompts[1], 5, 0.8))
+        left.append(pool.submit(leave_mid_stream, shipped_server, prompts[2], 0, 0.0))
+        aborted = pool.submit(aborted_by_id, shipped_server, prompts[3], "speculating-then-aborted")
+        kept = pool.submit(serve_greedy, shipped_server, [prompts[4]], (40,))
+        for client in left:
+            client.result()
+        assert aborted.result()["meta_info"]["finish_reason"]["type"] == "abort"
+        (reply,) = kept.result()
+    assert reply["output_ids"] == greedy_decode(model, read_prompt(model, torch.tensor(prompts[4])), 40)
+    assert_pools_idle(shipped_server)
+
+
+def test_n_samples_with_speculation(shipped_server, shipped_model):
+    # n = 3 greedy: three copies of greedy's output; n = 3 sampled: three outputs of the asked length.
+    model = shipped_model
+    prompt = random_ids(50, TINY_CONFIG["vocab_size"], seed=41).tolist()
+    expected = greedy_decode(model, read_prompt(model, torch.tensor(prompt)), N_NEW_TOKENS)
+    for temperature in (0.0, 0.8):
+        params = {"max_new_tokens": N_NEW_TOKENS, "temperature": temperature, "ignore_eos": True, "n": 3}
+        reply = generate(shipped_server, prompt, timeout=600, sampling_params=params)
+        assert reply.status_code == 200, reply.text
+        outputs = [one["output_ids"] for one in reply.json()]
+        assert [len(output) for output in outputs] == [N_NEW_TOKENS] * 3
+        if temperature == 0:
+            assert outputs == [expected] * 3
+    assert_pools_idle(shipped_server)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +269,23 @@ def test_unserved_speculation_stops_the_launcher_naming_it(tmp_path, changes, fl
     assert launched.returncode != 0
     assert named in output
     assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model
+
+
+def test_speculation_with_decode_graphs_is_refused_where_graphs_are_captured(monkeypatch):
+    # The verify and draft batches have no CUDA-graph path yet: a platform that captures graphs (CUDA) must be
+    # told --disable-cuda-graph at start. The CPU platform captures none, so it serves speculation as it is.
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.platforms.interface import PlatformCapabilities
+
+    def view(decode_graphs: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
+            speculative_num_draft_tokens=4, speculative_draft_model_path=None, tp_size=1, attn_dp_size=1,
+            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=decode_graphs)),
+        )  # fmt: skip
+
+    assert not speculation.captures_decode_graphs(view("full"))
+    monkeypatch.setattr(type(current_platform), "capabilities", PlatformCapabilities(graph_capture=True))
+    with pytest.raises(ConfigError, match="do not run through CUDA graphs yet; add --disable-cuda-graph"):
+        speculation.check_speculation(view("full"), hf_config=None)
+    assert not speculation.captures_decode_graphs(view("disabled"))

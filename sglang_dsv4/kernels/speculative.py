@@ -190,3 +190,94 @@ def verify_tree_greedy(
         accept_token_num[b] = accepted
         predicts[last] = flat_targets[last]
     return predicts, accept_index, accept_token_num
+
+
+def tree_speculative_sampling_target_only(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    deterministic: bool = True,
+) -> None:
+    """``verify_sampling.tree_speculative_sampling_target_only`` (SGLang's CUDA kernel): speculative sampling
+    with the target's probabilities only. Walking each request's tree from its own token, the children of the
+    last accepted row ``a`` are tried in sibling order with the coin ``u_a`` of that row: child ``c`` is accepted
+    when ``q_a(c) > 0`` and ``u_a < (q_a(c_1) + ... + q_a(c)) / threshold_acc`` (or ``q_a(c) >= threshold_single``);
+    a rejected child's ``q_a`` is copied into ``draft_probs``. The token after the accepted path is sampled,
+    with the final coin, from ``relu(q_a - draft_probs_a)`` (the target's distribution without the rejected
+    children; all of ``q_a`` after a path of full depth): the first token whose running sum passes
+    ``coin * sum``. With thresholds 1 and a chain, draft ``d`` is kept with probability ``q(d)`` and otherwise
+    ``q`` is sampled without ``d``, so every token is distributed as ``q``. ``deterministic`` is the kernel's
+    reduction order; this version has one."""
+    steps = accept_index.shape[1]
+    threshold_acc = max(threshold_acc, 1e-9)
+    final_coins = uniform_samples_for_final_sampling.tolist()
+    for b in range(candidates.shape[0]):
+        drafts, rows = candidates[b].tolist(), retrive_index[b].tolist()
+        next_token, next_sibling = retrive_next_token[b].tolist(), retrive_next_sibling[b].tolist()
+        coins = uniform_samples[b].tolist()
+        accept_index[b, 0] = rows[0]
+        last, decided_at, accepted, current = rows[0], 0, 0, 0
+        for _ in range(1, steps):
+            current = next_token[current]
+            mass = 0.0
+            while current != -1:
+                target = float(target_probs[b, decided_at, drafts[current]])
+                mass += target
+                if target > 0 and (coins[decided_at] < mass / threshold_acc or target >= threshold_single):
+                    break
+                draft_probs[b, decided_at, drafts[current]] = target_probs[b, decided_at, drafts[current]]
+                current = next_sibling[current]
+            if current == -1:
+                break
+            predicts[last] = drafts[current]
+            accepted += 1
+            accept_index[b, accepted] = rows[current]
+            last, decided_at = rows[current], current
+        accept_token_num[b] = accepted
+        residual = target_probs[b, decided_at]
+        if accepted != steps - 1:
+            residual = (residual - draft_probs[b, decided_at]).clamp(min=0)
+        predicts[last] = _sample_by_coin(residual, final_coins[b])
+
+
+def _sample_by_coin(weights: torch.Tensor, coin: float) -> int:
+    """The first token with positive weight whose running sum exceeds ``coin`` times the total (the last such
+    token where rounding leaves none, the last token if none has weight): inverse-CDF sampling as FlashInfer's
+    ``DeviceSamplingFromProb``."""
+    running = torch.cumsum(weights, dim=0)
+    positive = weights > 0
+    passed = torch.nonzero(positive & (running > coin * float(running[-1]))).flatten()
+    if passed.numel():
+        return int(passed[0])
+    valid = torch.nonzero(positive).flatten()
+    return int(valid[-1]) if valid.numel() else weights.numel() - 1
+
+
+def top_k_renorm_prob(probs: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """``renorm.top_k_renorm_prob``: each row's ``top_k`` most probable tokens (by rank, as SGLang's torch
+    sampler cuts them), renormalized to sum 1."""
+    order = probs.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(probs.shape[-1], device=probs.device).expand_as(order))
+    kept = probs * (ranks < top_ks.view(-1, 1))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def top_p_renorm_prob(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """``renorm.top_p_renorm_prob``: each row's most probable tokens up to and including the one whose running
+    sum first reaches ``top_p`` (a token is cut when the mass before it already exceeds ``top_p``, as SGLang's
+    torch sampler cuts), renormalized to sum 1."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs * (mass_before <= top_ps.view(-1, 1))
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)

@@ -20,10 +20,7 @@ lets through, and what each did to a server on this machine before these checks:
   float32: the sampler's float32 logits become infinite or NaN, and the batch's sampling raises (every request
   in the batch failed) or returns token 0;
 - ``sampling_params: []``: an ``IndexError`` while the request is normalized, answered as a 500;
-- input embeddings on DeepSeek-V4, whose first MoE layers route by token id (hash routing);
-- sampling (temperature above 0, ``top_k`` not 1) on a server speculating with EAGLE: its verify would take
-  SGLang's ``sgl_kernel`` sampling kernels, which the CPU platform does not have (this package verifies
-  greedily only so far, and never silently in place of sampling).
+- input embeddings on DeepSeek-V4, whose first MoE layers route by token id (hash routing).
 
 The bounds are this module's constants, documented in the README.
 """
@@ -109,7 +106,6 @@ def _refuse_what_the_scheduler_cannot_run(manager, request, input_ids) -> None:
             _top_k_error(request.sampling_params.get("top_k")),
             _repetition_penalty_error(request.sampling_params.get("repetition_penalty")),
             _logit_bias_error(request.sampling_params.get("logit_bias")),
-            _speculative_sampling_error(manager, request.sampling_params),
         ]
     if error := _first_error(*checks):
         raise ValueError(error)
@@ -129,19 +125,6 @@ def _prompt_error(manager, request, input_ids: list[int] | None) -> str | None:
     if low < 0 or high >= vocab:
         return f"input_ids must be in [0, {vocab}) (the vocabulary size); got min {low}, max {high}"
     return None
-
-
-def _speculative_sampling_error(manager, sampling_params: dict) -> str | None:
-    """Sampling on a server speculating with EAGLE (its verify is greedy only, so far)."""
-    if not manager.server_args.speculative_algorithm:
-        return None
-    temperature, top_k = sampling_params.get("temperature", 1.0), sampling_params.get("top_k")
-    if temperature == 0 or top_k == 1:
-        return None
-    return (
-        f"this server speculates (--speculative-algorithm {manager.server_args.speculative_algorithm}) and "
-        f"verifies greedily only: send temperature 0 or top_k 1; got temperature {temperature}, top_k {top_k}"
-    )
 
 
 def _input_embeds_error(manager, request) -> str | None:

@@ -267,7 +267,8 @@ def top_k_renorm_prob(probs: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor
     """``renorm.top_k_renorm_prob``: each row's ``top_k`` most probable tokens (by rank, as SGLang's torch
     sampler cuts them), renormalized to sum 1."""
     order = probs.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(probs.shape[-1], device=probs.device).expand_as(order))
+    positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, positions)
     kept = probs * (ranks < top_ks.view(-1, 1))
     return kept / kept.sum(dim=-1, keepdim=True)
 

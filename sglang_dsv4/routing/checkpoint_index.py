@@ -28,7 +28,7 @@ def predicted_positions(prompt_tokens: int, interval: int) -> list[int]:
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "is_checkpoint")
+    __slots__ = ("children", "edge", "is_checkpoint", "parent")
 
     def __init__(self, edge: tuple[int, ...], parent: _Node | None):
         self.edge, self.parent = edge, parent

@@ -1,15 +1,25 @@
-"""The cache-aware router's scoring, its checkpoint index and its state, without a server."""
+"""The cache-aware router's scoring, its checkpoint index and its state, and how SGLang's command line,
+resolution and DP controller take the method, without a server."""
 
 from __future__ import annotations
 
+import argparse
 import random
+from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.srt.managers.data_parallel_controller import LoadBalanceMethod
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.server_args import ServerArgs
 
+from sglang_dsv4 import plugin
 from sglang_dsv4.routing.checkpoint_index import CheckpointIndex, predicted_positions
+from sglang_dsv4.routing.controller import METHOD
 from sglang_dsv4.routing.router import CacheAwareRouter
 from sglang_dsv4.routing.scoring import LOAD_WEIGHT, choose_rank, load_spread_bound, rank_costs
+from sglang_dsv4.served_config import ARCHITECTURE
 
 
 def test_cost_is_uncached_prompt_tokens_plus_weighted_load():
@@ -89,7 +99,7 @@ def test_only_active_ranks_are_chosen_and_a_pinned_request_is_recorded_on_its_ra
     assert router.routing[0].uncached_tokens == 41 + 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     ranks=st.integers(2, 4),
     weight=st.sampled_from([LOAD_WEIGHT, 0.05, 1.0, 4.0]),
@@ -116,3 +126,47 @@ def test_under_skew_no_ranks_load_exceeds_anothers_by_more_than_the_penalty_allo
         loads[rank] += len(prompt)
         longest = max(longest, len(prompt))
         assert max(loads) - min(loads) <= load_spread_bound(longest, weight), (loads, name)
+
+
+def test_the_command_line_and_sglangs_controller_accept_the_method_by_name():
+    HookRegistry.reset()
+    plugin.register()
+    HookRegistry.apply_hooks()
+    try:
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        for method in (METHOD, "round_robin", "total_tokens"):
+            parsed = parser.parse_args(["--model-path", "m", "--load-balance-method", method])
+            assert parsed.load_balance_method == method
+        # Ours keeps SGLang's per-rank token budget (what total_tokens keeps); SGLang's own names are its own.
+        assert LoadBalanceMethod.from_str(METHOD) is LoadBalanceMethod.TOTAL_TOKENS
+        assert LoadBalanceMethod.from_str("round_robin") is LoadBalanceMethod.ROUND_ROBIN
+    finally:
+        HookRegistry.reset()
+
+
+@pytest.mark.parametrize(
+    ("given", "attn_dp", "architecture", "mode", "resolved"),
+    [
+        ("auto", 2, ARCHITECTURE, "null", METHOD),
+        ("auto", 1, ARCHITECTURE, "null", "round_robin"),
+        ("auto", 2, "LlamaForCausalLM", "null", "round_robin"),
+        ("auto", 2, ARCHITECTURE, "prefill", "follow_bootstrap_room"),
+        ("total_tokens", 2, ARCHITECTURE, "null", "total_tokens"),
+        (METHOD, 1, ARCHITECTURE, "null", METHOD),
+    ],
+)  # fmt: skip
+def test_auto_is_the_cache_aware_method_for_v4_under_attention_dp_only(
+    monkeypatch, given, attn_dp, architecture, mode, resolved
+):
+    from sglang.srt.arg_groups import model_override_base
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+    from sglang.srt.arg_groups.serving_hook import handle_load_balance_method
+
+    model = SimpleNamespace(hf_config=SimpleNamespace(architectures=[architecture]))
+    monkeypatch.setattr(model_override_base, "model_config_of", lambda server_args: model)
+    plugin.register()  # registers the resolution step's wrapper once per process
+    server_args = SimpleNamespace(load_balance_method=given, attn_dp_size=attn_dp, disaggregation_mode=mode)
+    run_hook(handle_load_balance_method, server_args)
+    assert resolving_view(server_args).load_balance_method == resolved

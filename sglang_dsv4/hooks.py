@@ -2,7 +2,7 @@
 
 SGLang's ``HookRegistry`` only logs a hook whose target moved (another SGLang version); the
 model refuses to start instead (:func:`require_hooks_applied`), naming the hooks that did not
-apply. :mod:`sglang_dsv4.plugin` registers the hooks on these targets; the data-parallel,
+apply. :mod:`sglang_dsv4.plugin` registers the hooks on these targets; the data-parallel, routing,
 serving, admission and speculation hooks name their own targets beside their code.
 """
 
@@ -12,6 +12,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 
 from .data_parallel import DATA_PARALLEL_HOOKS
 from .prefix_cache.admission import ADMISSION_HOOKS
+from .routing.controller import ROUTING_HOOKS
 from .serving import SERVING_HOOKS
 from .speculation import SPECULATION_HOOKS
 
@@ -48,6 +49,7 @@ REQUIRED_HOOKS = (
     FP8_METHOD_CHOICE,
     FP8_ACTIVATION_DTYPES,
     *DATA_PARALLEL_HOOKS,
+    *ROUTING_HOOKS,
     *SPECULATION_HOOKS,
 )
 

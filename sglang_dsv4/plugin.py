@@ -22,6 +22,7 @@ from . import hooks
 from .config import check_tensor_parallel
 from .data_parallel import check_attention_data_parallel, register_data_parallel_hooks
 from .platform import bind_rank_threads
+from .routing.controller import register_routing_hooks
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import register_serving_hooks
 from .settings import settings
@@ -48,6 +49,7 @@ def register() -> None:
     HookRegistry.register(hooks.INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
     _register_quantization_hooks()
     register_data_parallel_hooks()
+    register_routing_hooks()
     register_serving_hooks()
     register_speculation_hooks()
     _register_prefix_cache()
@@ -249,8 +251,10 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
 
 
 def _report_pool_usage(result, controller, recv_req) -> None:
-    """Add the V4 pools' totals, free and evictable counts, and the rank's resident weight bytes, to ``/server_info``."""
+    """Add the V4 pools' totals, free and evictable counts, the rank's resident weight bytes, and what the DP
+    controller's router sent it, to ``/server_info``."""
     from .kv_cache import V4KVPool
+    from .routing.report import rank_report
 
     scheduler = controller.scheduler
     allocator = scheduler.token_to_kv_pool_allocator
@@ -260,6 +264,9 @@ def _report_pool_usage(result, controller, recv_req) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     result.internal_state["attn_dp_rank"] = get_parallel().attn_dp_rank
+    routing = rank_report(get_parallel().attn_dp_rank)
+    if routing is not None:
+        result.internal_state["dsv4_routing"] = routing
     result.internal_state["dsv4_pools"] = {
         "token_slots": {
             "total": scheduler.max_total_num_tokens,

@@ -13,6 +13,7 @@ backend (the shipped checkpoint's DP server runs the batched one).
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
@@ -49,6 +50,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 PROMPTS = {length: _prompt(length, 500 + length) for length in PROMPT_LENGTHS}
 SESSION_START = _prompt(260, 600)
 SESSION_FOLLOW_UP = _prompt(37, 601)
+# Unpinned multi-turn sessions sent at once: each turn is the previous prompt, its answer and a follow-up.
+ROUTED_SESSIONS, ROUTED_TURNS, ROUTED_ANSWER = 4, 3, 8
 
 
 def _generate(url: str, ids: list[int], new_tokens: int, rank: int | None = None, start: int = 0) -> dict:
@@ -98,6 +101,23 @@ def _cold_second_turn(url: str, first: dict) -> dict:
     return _generate(url, history, 8, start=resumable)
 
 
+def _routed_session(url: str, session: int) -> list[dict]:
+    """The turns of one unpinned session, each sent after the previous one's answer."""
+    prompt, replies = _prompt(200, 800 + session), []
+    for turn in range(ROUTED_TURNS):
+        if replies:
+            prompt = prompt + replies[-1]["output_ids"] + _prompt(20, 900 + 10 * session + turn)
+        # Prompt logprobs from the last token only: SGLang resumes no cached prefix past logprob_start_len.
+        replies.append(_generate(url, prompt, ROUTED_ANSWER, start=len(prompt) - 1))
+    return replies
+
+
+def _routed_sessions(url: str) -> list[list[dict]]:
+    _flush(url)
+    with ThreadPoolExecutor(ROUTED_SESSIONS) as pool:
+        return list(pool.map(lambda session: _routed_session(url, session), range(ROUTED_SESSIONS)))
+
+
 def _internal_states(url: str) -> list[dict]:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"]
 
@@ -134,6 +154,7 @@ def expected(tiny_server) -> dict:
         "session": (session := _session(url, None)),
         "cold second turn": _cold_second_turn(url, session[0]),
         "until eos": _until_eos_concurrently(url, RETRACTED_PROMPTS),
+        "routed sessions": _routed_sessions(url),
     }
 
 
@@ -386,3 +407,34 @@ def test_fuzzed_requests_never_take_the_dp_server_down(dp2, log_dir, expected, b
             _assert_same(reply.result(), expected["prompts"][300], f"among fuzzed requests on rank {rank}")
         assert_healthy(dp2)
         assert_pools_idle(dp2)
+
+
+def test_unpinned_sessions_reach_the_rank_that_holds_their_cache_and_answer_as_one_process(dp2, expected):
+    # dsv4_cache_aware is the default under attention DP: each later turn resumes its previous prompt and
+    # answer but the answer's last token, wherever SGLang's controller would have sent it.
+    before = _routing_reports(dp2)
+    served = _routed_sessions(dp2)
+    reusable = cached = 0
+    for session, (replies, oracle) in enumerate(zip(served, expected["routed sessions"], strict=True)):
+        assert [r["output_ids"] for r in replies] == [r["output_ids"] for r in oracle], f"session {session}"
+        for previous, reply in itertools.pairwise(replies):
+            reusable += previous["meta_info"]["prompt_tokens"] + len(previous["output_ids"]) - 1
+            cached += reply["meta_info"]["cached_tokens"]
+    assert cached >= 0.95 * reusable, f"later turns resumed {cached} of {reusable} reusable prompt tokens"
+    # /server_info: per rank, the requests the router sent there, and those it predicted a checkpoint for.
+    after = _routing_reports(dp2)
+    routed = [a["routed"] - b["routed"] for a, b in zip(after, before, strict=True)]
+    hits = [_predicted_hits(a) - _predicted_hits(b) for a, b in zip(after, before, strict=True)]
+    assert sum(routed) == ROUTED_SESSIONS * ROUTED_TURNS and min(routed) >= ROUTED_TURNS, routed
+    assert sum(hits) == ROUTED_SESSIONS * (ROUTED_TURNS - 1), hits
+    assert_pools_idle(dp2)
+
+
+def _routing_reports(url: str) -> list[dict]:
+    """Each DP rank's routing figures in /server_info, in rank order."""
+    states = sorted(_internal_states(url), key=lambda state: state["attn_dp_rank"])
+    return [state["dsv4_routing"] for state in states]
+
+
+def _predicted_hits(report: dict) -> int:
+    return round(report["predicted_hit_share"] * report["routed"])

@@ -24,7 +24,7 @@ LAYERS = (
     ("prefix_cache",),
     ("attention_backend",),
     ("kv_cache", "plugin", "hooks", "platform", "quantization", "served_config", "serving", "data_parallel",
-     "speculation", "launch", "tiny", "chat_template", "agentperf", "demo", "cli", "__init__"),
+     "speculation", "routing", "launch", "tiny", "chat_template", "agentperf", "demo", "cli", "__init__"),
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.
 UPWARD = {

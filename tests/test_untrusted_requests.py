@@ -5,7 +5,7 @@ negative numbers, unicode, ids at the vocabulary edge, clients that disconnect w
 or waiting) to ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``, with correct
 requests among them. After each batch the server answers ``/health``, the correct requests gave
 the greedy outputs they gave before any fuzzing, and once idle the pools are whole. Batches are
-sent for ``DSV4_FUZZ_SECONDS`` (default 60; the long mode for the benchmark directory sets, say, 3600).
+sent for ``DSV4_FUZZ_SECONDS`` (default 40; the long mode for the benchmark directory sets, say, 3600).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sglang_dsv4.serving.validation import (
 )
 
 VOCAB = 1024
-FUZZ_SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "60"))
+FUZZ_SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "40"))
 REQUESTS_PER_BATCH = 32  # hypothesis overruns its example buffer on much larger batches
 CLIENTS = 16  # concurrent connections: the served requests of a batch decode together
 CLIENT_TIMEOUT_S = 10  # a request still running then is dropped by its client (the server aborts it)

@@ -66,6 +66,18 @@ def tiny_server(tiny_path: Path, tiny_server_log: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def sglang_with_plugin() -> None:
+    """SGLang's plugins loaded in this process, as in a launcher's or a server's, every hook the plugin needs
+    applied."""
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_dsv4.hooks import require_hooks_applied
+
+    load_plugins()
+    require_hooks_applied()
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_path: Path):
     return load_model(tiny_path)
 

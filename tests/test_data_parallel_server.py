@@ -26,6 +26,7 @@ import torch
 from conftest import random_ids
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from launch_checks import config_only_checkpoint, refusal_at_resolution
 from random_configs import build_random_checkpoint, random_v4_config
 from serving_checks import assert_healthy, assert_pools_idle, reported_if_down
 from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, concurrently, random_round
@@ -241,14 +242,13 @@ def test_each_dp_rank_reports_its_own_pools_cache_and_weights(dp2, tiny_model):
 @pytest.mark.parametrize(
     "spelling", [("--attn-dp-size", "2"), ("--dp-size", "2", "--enable-dp-attention")], ids=["attn-dp-size", "older"]
 )
-def test_an_attention_group_that_does_not_divide_the_output_groups_stops_the_launcher(tmp_path, spelling):
-    from test_random_configs_server import config_only_checkpoint, launch_until_exit
-
+def test_an_attention_group_that_does_not_divide_the_output_groups_is_refused_at_start(
+    tmp_path, sglang_with_plugin, spelling
+):
     checkpoint = config_only_checkpoint(tmp_path / "one-group", o_groups=1)
-    launched = launch_until_exit(checkpoint, "--tp", "4", *spelling)
-    assert launched.returncode != 0
-    output = launched.stdout + launched.stderr
-    assert "ConfigError: 'o_groups' (1) is not divisible by attention-TP = tp / attn-dp-size = 4 / 2 = 2" in output
+    assert refusal_at_resolution(checkpoint, "--tp", "4", *spelling).startswith(
+        "ConfigError: 'o_groups' (1) is not divisible by attention-TP = tp / attn-dp-size = 4 / 2 = 2"
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,17 +18,6 @@ SEEDS = range(200)
 SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "moe_intermediate_size")
 
 
-@pytest.fixture(scope="module")
-def sglang_with_plugin() -> None:
-    """SGLang's plugins loaded in this process, as in a server's, every hook the plugin needs applied."""
-    from sglang.srt.plugins import load_plugins
-
-    from sglang_dsv4.hooks import require_hooks_applied
-
-    load_plugins()
-    require_hooks_applied()
-
-
 def write_config(directory: Path, raw: dict) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(raw))

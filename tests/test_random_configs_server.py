@@ -10,24 +10,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_ids
+from launch_checks import config_only_checkpoint, launch_until_exit, refusal_at_resolution
 from random_configs import build_random_checkpoint
 from test_v4_server import greedy, hf_logprobs, teacher_forced_logprobs
 
-from sglang_dsv4.launch import free_port, running_server, server_command
-from sglang_dsv4.tiny import TINY_CONFIG
+from sglang_dsv4.launch import running_server
 
 PROMPT_TOKENS = 300  # crosses the sliding window and two 128-token compressed blocks
 NEW_TOKENS = 24
 LOGPROB_TOLERANCE = 1e-4
 CLEAR_MARGIN = 1e-3
-LAUNCH_TIMEOUT_S = 240
 
 
 @dataclass(frozen=True)
@@ -102,24 +100,6 @@ def test_random_config_served_matches_hf(case: ServedCase, tmp_path, log_dir):
     assert top2.indices[:checked, 0].tolist() == served_tokens[:checked]
 
 
-def launch_until_exit(model_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        server_command(model_path, free_port(), *args),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-        cwd=model_path,
-    )
-
-
-def config_only_checkpoint(directory: Path, **changes) -> Path:
-    """A checkpoint directory with only config.json: the launcher must refuse it before loading anything."""
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
-    return directory
-
-
 def test_unservable_config_stops_the_launcher_naming_the_key(tmp_path):
     launched = launch_until_exit(config_only_checkpoint(tmp_path / "bad", o_groups=3))
     assert launched.returncode != 0
@@ -128,19 +108,15 @@ def test_unservable_config_stops_the_launcher_naming_the_key(tmp_path):
     assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model
 
 
-def test_tensor_parallel_size_that_does_not_divide_stops_the_launcher(tmp_path):
+def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tmp_path, sglang_with_plugin):
     checkpoint = config_only_checkpoint(tmp_path / "three-heads", num_attention_heads=3, o_groups=3)
-    launched = launch_until_exit(checkpoint, "--tp", "2")
-    assert launched.returncode != 0
-    assert "ConfigError: 'num_attention_heads' (3) is not divisible by tp = 2" in launched.stdout + launched.stderr
+    refusal = refusal_at_resolution(checkpoint, "--tp", "2")
+    assert refusal.startswith("ConfigError: 'num_attention_heads' (3) is not divisible by tp = 2")
 
 
-def test_a_cache_tier_below_the_device_pool_stops_the_launcher_naming_it(tmp_path):
+def test_a_cache_tier_below_the_device_pool_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin):
     # SGLang's HiCache stopped the scheduler in its first loop; the launcher now refuses before any scheduler
     # (--enable-lmcache the same way, by the same check).
     flag = "--enable-hierarchical-cache"
-    launched = launch_until_exit(config_only_checkpoint(tmp_path / "tiers"), flag)
-    assert launched.returncode != 0
-    assert f"ConfigError: {flag}: DeepSeek-V4's prefix cache keeps its checkpoints in device memory only" in (
-        launched.stdout + launched.stderr
-    )
+    refusal = refusal_at_resolution(config_only_checkpoint(tmp_path / "tiers"), flag)
+    assert refusal.startswith(f"ConfigError: {flag}: DeepSeek-V4's prefix cache keeps its checkpoints in device memory")

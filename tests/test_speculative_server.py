@@ -12,7 +12,6 @@ prompt lengths with outputs across ratio-4 and ratio-128 block ends and the slid
 from __future__ import annotations
 
 import json
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,12 +21,13 @@ import requests
 import scipy.stats
 import torch
 from conftest import random_ids
+from launch_checks import config_only_checkpoint, refusal_at_resolution
 from random_configs import build_random_checkpoint
 from serving_checks import assert_pools_idle, generate
 
 from sglang_dsv4 import load_config, load_model, speculation
 from sglang_dsv4.config import ConfigError
-from sglang_dsv4.launch import free_port, running_server, server_command
+from sglang_dsv4.launch import running_server
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
 from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
 
@@ -41,7 +41,6 @@ PROMPT_LENGTHS = (5, 60, 130, 250)
 NEW_TOKENS = (160, 40, 120, 80)
 # A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.
 RANDOM_MTP_SEED = 2
-LAUNCH_TIMEOUT_S = 240
 # The shipped server's prefill chunk: prompts longer than it are prefilled in chunks before the first draft.
 CHUNK_TOKENS = 128
 N_NEW_TOKENS = 24
@@ -255,20 +254,9 @@ def test_n_samples_with_speculation(shipped_server, shipped_model):
     ],
     ids=["no-mtp-layer", "topk-2"],
 )
-def test_unserved_speculation_stops_the_launcher_naming_it(tmp_path, changes, flags, named):
-    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
-    launched = subprocess.run(
-        server_command(tmp_path, free_port(), *flags),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-        cwd=tmp_path,
-    )
-    output = launched.stdout + launched.stderr
-    assert launched.returncode != 0
-    assert named in output
-    assert "model_runner" not in output  # refused in the launcher, before any scheduler loads a model
+def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin, changes, flags, named):
+    checkpoint = config_only_checkpoint(tmp_path / "checkpoint", **changes)
+    assert named in refusal_at_resolution(checkpoint, *flags)
 
 
 def test_speculation_with_decode_graphs_is_refused_where_graphs_are_captured(monkeypatch):

@@ -15,7 +15,6 @@ from sglang_dsv4.agentperf.server import GenerateServer, TokensArrived, Usage
 from sglang_dsv4.agentperf.slo import Slo, nearest_rank
 from sglang_dsv4.agentperf.synthetic import synthesize
 from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS, ToolLatency, TraceScale
-from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 
 # Short turns (at most 16 tokens out, histories under 512 tokens) keep the run within seconds on a busy CPU.
 SHORT_TURNS = TraceScale(input_fraction=1 / 64, output_fraction=1 / 8, max_output_tokens=16, max_context_tokens=512)
@@ -24,10 +23,9 @@ LOOSE = Slo("loose", min_output_speed=1.0, max_ttft_s=30.0)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, log_dir):
-    log_path = log_dir / "agentperf-server.log"
-    with running_server(tiny_path, "--dtype", "float32", log_path=log_path, env=ONE_TORCH_THREAD) as url:
-        yield url
+def server(tiny_server):
+    """The session's tiny server (a short run's few agents need no server of their own)."""
+    return tiny_server
 
 
 def short_run(max_concurrency: int, measure_s: float) -> Settings:

@@ -6,9 +6,8 @@ a rank with ``routed_dp_rank``. The oracle is the session's single-process serve
 (:func:`conftest.tiny_server`): every figure it gives is recorded up front.
 The DP server is short of token slots, as the pool-exhaustion tests' few_tokens server is, so that the
 pool-exhaustion, abort and bad-input cases run on it too: after each, every row is back on both ranks.
-Random configs (:mod:`random_configs`) are served the same way, one seed by default
-(``DSV4_CONFIG_SEEDS=N`` serves N), each on its own pair of servers, the DP one on the torch reference
-backend (the shipped checkpoint's DP server runs the batched one).
+Random configs are served at DP against their single-process server in ``test_random_configs_server.py``
+(which serves them once for HF and DP alike).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from conftest import random_ids
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from launch_checks import config_only_checkpoint, refusal_at_resolution
-from random_configs import build_random_checkpoint, random_v4_config
+from random_configs import random_v4_config
 from serving_checks import assert_healthy, assert_pools_idle, reported_if_down
 from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, concurrently, random_round
 from test_prefix_cache_server import set_modes
@@ -55,7 +54,7 @@ SESSION_FOLLOW_UP = _prompt(37, 601)
 ROUTED_SESSIONS, ROUTED_TURNS, ROUTED_ANSWER = 4, 3, 8
 
 
-def _generate(url: str, ids: list[int], new_tokens: int, rank: int | None = None, start: int = 0) -> dict:
+def generate_on(url: str, ids: list[int], new_tokens: int, rank: int | None = None, start: int = 0) -> dict:
     """Greedy tokens, and prompt logprobs from position ``start``; pinned to DP rank ``rank``."""
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": start}
@@ -66,13 +65,13 @@ def _generate(url: str, ids: list[int], new_tokens: int, rank: int | None = None
     return reply.json()
 
 
-def _prompt_logprobs(reply: dict) -> torch.Tensor:
+def prompt_logprobs(reply: dict) -> torch.Tensor:
     return torch.tensor([entry[0] for entry in reply["meta_info"]["input_token_logprobs"][1:]])
 
 
-def _assert_same(served: dict, expected: dict, what: str) -> None:
+def assert_same(served: dict, expected: dict, what: str) -> None:
     assert served["output_ids"] == expected["output_ids"], what
-    difference = (_prompt_logprobs(served) - _prompt_logprobs(expected)).abs().max().item()
+    difference = (prompt_logprobs(served) - prompt_logprobs(expected)).abs().max().item()
     assert difference <= 1e-4, f"{what}: prompt logprobs differ by {difference:.3g}"
 
 
@@ -83,9 +82,9 @@ def _flush(url: str) -> None:
 def _session(url: str, rank: int | None) -> list[dict]:
     """Two turns of one session (pinned to ``rank``): the second resumes the first's prompt and answer."""
     _flush(url)
-    first = _generate(url, SESSION_START, 8, rank)
+    first = generate_on(url, SESSION_START, 8, rank)
     history, resumable = _second_turn(first)
-    return [first, _generate(url, history, 8, rank, start=resumable)]
+    return [first, generate_on(url, history, 8, rank, start=resumable)]
 
 
 def _second_turn(first: dict) -> tuple[list[int], int]:
@@ -99,7 +98,7 @@ def _cold_second_turn(url: str, first: dict) -> dict:
     """The session's second turn on a flushed cache."""
     history, resumable = _second_turn(first)
     _flush(url)
-    return _generate(url, history, 8, start=resumable)
+    return generate_on(url, history, 8, start=resumable)
 
 
 def _routed_session(url: str, session: int) -> list[dict]:
@@ -109,7 +108,7 @@ def _routed_session(url: str, session: int) -> list[dict]:
         if replies:
             prompt = prompt + replies[-1]["output_ids"] + _prompt(20, 900 + 10 * session + turn)
         # Prompt logprobs from the last token only: SGLang resumes no cached prefix past logprob_start_len.
-        replies.append(_generate(url, prompt, ROUTED_ANSWER, start=len(prompt) - 1))
+        replies.append(generate_on(url, prompt, ROUTED_ANSWER, start=len(prompt) - 1))
     return replies
 
 
@@ -150,8 +149,8 @@ def expected(tiny_server) -> dict:
     url = tiny_server
     _flush(url)  # the session's shared server: the session tests count cached tokens
     return {
-        "prompts": {length: _generate(url, ids, NEW_TOKENS) for length, ids in PROMPTS.items()},
-        "long decode": _generate(url, PROMPTS[5], LONG_DECODE),
+        "prompts": {length: generate_on(url, ids, NEW_TOKENS) for length, ids in PROMPTS.items()},
+        "long decode": generate_on(url, PROMPTS[5], LONG_DECODE),
         "session": (session := _session(url, None)),
         "cold second turn": _cold_second_turn(url, session[0]),
         "until eos": _until_eos_concurrently(url, RETRACTED_PROMPTS),
@@ -180,16 +179,16 @@ def dp2_log(log_dir: Path) -> Path:
 def test_both_ranks_at_once_give_the_single_process_tokens_and_logprobs(dp2, expected):
     pinned = [(length, rank) for length in PROMPT_LENGTHS for rank in (0, 1)]
     with ThreadPoolExecutor(len(pinned)) as pool:
-        replies = list(pool.map(lambda job: _generate(dp2, PROMPTS[job[0]], NEW_TOKENS, job[1]), pinned))
+        replies = list(pool.map(lambda job: generate_on(dp2, PROMPTS[job[0]], NEW_TOKENS, job[1]), pinned))
     for (length, rank), served in zip(pinned, replies, strict=True):
-        _assert_same(served, expected["prompts"][length], f"{length} tokens on rank {rank}")
+        assert_same(served, expected["prompts"][length], f"{length} tokens on rank {rank}")
 
 
 def test_one_rank_serves_while_the_other_idles(dp2, expected):
     with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:
-        replies = list(pool.map(lambda length: _generate(dp2, PROMPTS[length], NEW_TOKENS, 0), PROMPT_LENGTHS))
+        replies = list(pool.map(lambda length: generate_on(dp2, PROMPTS[length], NEW_TOKENS, 0), PROMPT_LENGTHS))
     for length, served in zip(PROMPT_LENGTHS, replies, strict=True):
-        _assert_same(served, expected["prompts"][length], f"{length} tokens on rank 0, rank 1 idle")
+        assert_same(served, expected["prompts"][length], f"{length} tokens on rank 0, rank 1 idle")
 
 
 def _wait_until_running(url: str) -> None:
@@ -205,21 +204,21 @@ def _wait_until_running(url: str) -> None:
 
 def test_one_rank_extends_while_the_other_decodes(dp2, expected):
     with ThreadPoolExecutor(2) as pool:
-        decoding = pool.submit(_generate, dp2, PROMPTS[5], LONG_DECODE, 1)
+        decoding = pool.submit(generate_on, dp2, PROMPTS[5], LONG_DECODE, 1)
         _wait_until_running(dp2)
-        extending = pool.submit(_generate, dp2, PROMPTS[700], NEW_TOKENS, 0)
-        _assert_same(extending.result(), expected["prompts"][700], "700-token prefill on rank 0")
-        _assert_same(decoding.result(), expected["long decode"], "decode on rank 1")
+        extending = pool.submit(generate_on, dp2, PROMPTS[700], NEW_TOKENS, 0)
+        assert_same(extending.result(), expected["prompts"][700], "700-token prefill on rank 0")
+        assert_same(decoding.result(), expected["long decode"], "decode on rank 1")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_session_pinned_to_one_rank_resumes_from_that_ranks_cache(dp2, expected, rank):
     served = _session(dp2, rank)
     for turn, (reply, oracle) in enumerate(zip(served, expected["session"], strict=True)):
-        _assert_same(reply, oracle, f"turn {turn} on rank {rank}")
+        assert_same(reply, oracle, f"turn {turn} on rank {rank}")
         assert reply["meta_info"]["cached_tokens"] == oracle["meta_info"]["cached_tokens"], turn
     assert served[1]["meta_info"]["cached_tokens"] > 0, "the second turn resumed nothing from the cache"
-    _assert_same(served[1], expected["cold second turn"], f"the warm second turn on rank {rank} against a cold one")
+    assert_same(served[1], expected["cold second turn"], f"the warm second turn on rank {rank} against a cold one")
     assert_pools_idle(dp2)
 
 
@@ -277,33 +276,6 @@ def servable_at_dp2(seed: int) -> bool:
     return config.n_routed_experts % 2 == 0
 
 
-def dp_config_seeds() -> list[int]:
-    """The first ``DSV4_CONFIG_SEEDS`` (default 1) seeds whose random config serves at DP 2."""
-    count = int(os.environ.get("DSV4_CONFIG_SEEDS", "1"))
-    seeds = (seed for seed in range(10_000) if servable_at_dp2(seed))
-    return [next(seeds) for _ in range(count)]
-
-
-@pytest.mark.parametrize("seed", dp_config_seeds(), ids=lambda seed: f"seed{seed}")
-def test_a_random_config_at_dp_gives_the_single_process_servers_tokens_and_logprobs(seed, tmp_path, log_dir):
-    os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
-    path, raw = build_random_checkpoint(tmp_path / "release", seed)
-    # One prompt per DP rank, crossing the window and two 128-token compressed blocks.
-    prompts = [random_ids(300, raw["vocab_size"], seed=seed + rank).tolist() for rank in (0, 1)]
-    with running_server(path, "--dtype", "float32", log_path=log_dir / f"dp-oracle-seed{seed}.log") as url:
-        expected = [_generate(url, ids, NEW_TOKENS) for ids in prompts]
-    # On the torch reference backend (the dp2 server's cases run on the batched one), with SGLang's round robin:
-    # under dsv4_cache_aware both of SGLang's start-up warmup requests (the same text) go to rank 0, and once,
-    # with this seed on this backend, the start hung there (issue 24's note; not reproduced in two more starts).
-    dp_args = ("--dtype", "float32", *DP_ARGS, "--attention-backend", "dsv4_torch")
-    dp_args += ("--load-balance-method", "round_robin")
-    dp_log = log_dir / f"dp2-seed{seed}.log"
-    with running_server(path, *dp_args, log_path=dp_log) as url, ThreadPoolExecutor(2) as pool:
-        served = list(pool.map(lambda rank: _generate(url, prompts[rank], NEW_TOKENS, rank), (0, 1)))
-    for rank, (reply, oracle) in enumerate(zip(served, expected, strict=True)):
-        _assert_same(reply, oracle, f"seed {seed}, rank {rank}")
-
-
 def _leave_mid_stream(url: str, ids: list[int], new_tokens: int, rank: int, events: int) -> None:
     """A streaming client pinned to ``rank`` that closes its connection after ``events`` events (the
     server aborts its request)."""
@@ -322,14 +294,14 @@ def test_aborted_requests_on_both_ranks_return_every_row_and_the_ranks_serve_on_
     with ThreadPoolExecutor(6) as pool:
         left = [pool.submit(_leave_mid_stream, dp2, long_prompt, 64, rank, 0) for rank in (0, 1)]
         left += [pool.submit(_leave_mid_stream, dp2, PROMPTS[300], 200, rank, 3) for rank in (0, 1)]
-        kept = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        kept = [pool.submit(generate_on, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
         for client in left:
             client.result()
         for rank, reply in enumerate(kept):
-            _assert_same(reply.result(), expected["prompts"][300], f"beside aborted requests on rank {rank}")
+            assert_same(reply.result(), expected["prompts"][300], f"beside aborted requests on rank {rank}")
     assert_pools_idle(dp2)  # idle: every row free or in the tree; flushed: every row free, on both ranks
     for rank in (0, 1):
-        _assert_same(_generate(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
+        assert_same(generate_on(dp2, PROMPTS[700], NEW_TOKENS, rank), expected["prompts"][700], f"rank {rank} after")
 
 
 def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_every_row(dp2):
@@ -378,11 +350,11 @@ def test_bad_input_on_the_dp_server_is_refused_or_fails_alone(dp2, expected):
                                                              "top_p": 0.5}}  # fmt: skip
     with ThreadPoolExecutor(4) as pool:
         failing = [pool.submit(post, dp2, "/generate", {**dead_end, "routed_dp_rank": rank}) for rank in (0, 1)]
-        neighbours = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        neighbours = [pool.submit(generate_on, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
         for reply in failing:
             assert CONTAINED_FAILURE not in reply.result().text, reply.result().text
         for rank, reply in enumerate(neighbours):
-            _assert_same(reply.result(), expected["prompts"][300], f"beside a dead-end grammar on rank {rank}")
+            assert_same(reply.result(), expected["prompts"][300], f"beside a dead-end grammar on rank {rank}")
     assert_healthy(dp2)
     assert_pools_idle(dp2)
 
@@ -403,11 +375,11 @@ def test_fuzzed_requests_never_take_the_dp_server_down(dp2, log_dir, expected, b
     # pinned to each rank among them.
     with reported_if_down(dp2_log(log_dir), batch), ThreadPoolExecutor(16) as pool:
         fuzzed = [pool.submit(send, dp2, probe) for probe in batch]
-        correct = [pool.submit(_generate, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
+        correct = [pool.submit(generate_on, dp2, PROMPTS[300], NEW_TOKENS, rank) for rank in (0, 1)]
         for future in fuzzed:
             future.result()
         for rank, reply in enumerate(correct):
-            _assert_same(reply.result(), expected["prompts"][300], f"among fuzzed requests on rank {rank}")
+            assert_same(reply.result(), expected["prompts"][300], f"among fuzzed requests on rank {rank}")
         assert_healthy(dp2)
         assert_pools_idle(dp2)
 

@@ -1,5 +1,6 @@
-"""Random V4 configs served by the real ``sglang.launch_server`` against HF transformers on the same checkpoint;
-configs the server cannot serve stop the launcher with the key named.
+"""Random V4 configs served by the real ``sglang.launch_server`` against HF transformers on the same checkpoint,
+and at attention DP against that single-process server; configs the server cannot serve stop the launcher with
+the key named.
 
 Three fixed seeds per run (one release layout, two in transformers' own ``save_pretrained`` layout, one of them
 with ``--json-model-override-args``); ``DSV4_CONFIG_SEEDS=N`` serves N seeds, the fixed ones first.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import torch
 from conftest import random_ids
 from launch_checks import config_only_checkpoint, launch_until_exit, refusal_at_resolution
 from random_configs import build_random_checkpoint
-from test_v4_server import greedy, hf_logprobs, teacher_forced_logprobs
+from test_data_parallel_server import DP_ARGS, assert_same, generate_on, prompt_logprobs, servable_at_dp2
+from test_v4_server import hf_logprobs
 
 from sglang_dsv4.launch import running_server
 
@@ -74,21 +78,51 @@ def in_hf_layout(release_path: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", served_cases(), ids=str)
-def test_random_config_served_matches_hf(case: ServedCase, tmp_path, log_dir):
-    path, raw = build_random_checkpoint(tmp_path / "release", case.seed)
-    if case.hf_layout:
-        path = in_hf_layout(path, tmp_path / "hf")
-    hf = load_hf(path, **case.overrides)
-    ids = random_ids(PROMPT_TOKENS, raw["vocab_size"], seed=case.seed).tolist()
-    args = ["--dtype", "float32"]
-    if case.overrides:
-        args += ["--json-model-override-args", json.dumps(case.overrides)]
-    with running_server(path, *args, log_path=log_dir / f"random-config-{case}.log") as url:
-        served_logprobs = teacher_forced_logprobs(url, ids)
-        served_tokens = greedy(url, ids, NEW_TOKENS)
+@dataclass(frozen=True)
+class SingleProcess:
+    """A random config's checkpoint and the single-process server's greedy replies (with prompt logprobs from
+    the first token) to its prompts: the one checked against HF first, then one per further DP rank."""
 
-    assert (served_logprobs - hf_logprobs(hf, ids)).abs().max() <= LOGPROB_TOLERANCE
+    path: Path
+    prompts: list[list[int]]
+    replies: list[dict]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory, log_dir) -> Callable[[ServedCase], SingleProcess]:
+    """Each case served once by the single-process server, for this module's HF and DP tests."""
+    served: dict[str, SingleProcess] = {}
+
+    def serve(case: ServedCase) -> SingleProcess:
+        if str(case) not in served:
+            served[str(case)] = _serve_single_process(case, tmp_path_factory.mktemp(str(case)), log_dir)
+        return served[str(case)]
+
+    return serve
+
+
+def _serve_single_process(case: ServedCase, directory: Path, log_dir: Path) -> SingleProcess:
+    path, raw = build_random_checkpoint(directory / "release", case.seed)
+    if case.hf_layout:
+        path = in_hf_layout(path, directory / "hf")
+    prompts = [random_ids(PROMPT_TOKENS, raw["vocab_size"], seed=case.seed + rank).tolist() for rank in range(2)]
+    log = log_dir / f"random-config-{case}.log"
+    with running_server(path, "--dtype", "float32", *_override_args(case), log_path=log) as url:
+        replies = [generate_on(url, ids, NEW_TOKENS) for ids in prompts]
+    return SingleProcess(path, prompts, replies)
+
+
+def _override_args(case: ServedCase) -> list[str]:
+    return ["--json-model-override-args", json.dumps(case.overrides)] if case.overrides else []
+
+
+@pytest.mark.parametrize("case", served_cases(), ids=str)
+def test_random_config_served_matches_hf(case: ServedCase, single_process):
+    served = single_process(case)
+    hf = load_hf(served.path, **case.overrides)
+    ids, reply = served.prompts[0], served.replies[0]
+    served_tokens = reply["output_ids"]
+    assert (prompt_logprobs(reply) - hf_logprobs(hf, ids)).abs().max() <= LOGPROB_TOLERANCE
     # HF teacher-forced on the served continuation: each served token is HF's top-1 up to the first step where
     # HF's own top-2 margin is too small to call.
     with torch.no_grad():
@@ -98,6 +132,22 @@ def test_random_config_served_matches_hf(case: ServedCase, tmp_path, log_dir):
     checked = int(unclear[0]) if len(unclear) else NEW_TOKENS
     assert checked > 0, "HF's first continuation step is already a near tie"
     assert top2.indices[:checked, 0].tolist() == served_tokens[:checked]
+
+
+@pytest.mark.parametrize("case", [case for case in served_cases() if servable_at_dp2(case.seed)], ids=str)
+def test_a_random_config_at_dp_gives_the_single_process_servers_tokens_and_logprobs(case, single_process, log_dir):
+    # One prompt per DP rank at once, on the torch reference backend (the shipped checkpoint's DP server runs the
+    # batched one), with SGLang's round robin: under dsv4_cache_aware both of SGLang's start-up warmup requests
+    # (the same text) go to rank 0, and once, with another seed on this backend, the start hung there (issue 24).
+    served = single_process(case)
+    dp_args = ("--dtype", "float32", *DP_ARGS, *_override_args(case), "--attention-backend", "dsv4_torch")
+    dp_args += ("--load-balance-method", "round_robin")
+    os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
+    with running_server(served.path, *dp_args, log_path=log_dir / f"dp2-{case}.log") as url:
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda rank: generate_on(url, served.prompts[rank], NEW_TOKENS, rank), (0, 1)))
+    for rank, (reply, oracle) in enumerate(zip(replies, served.replies, strict=True)):
+        assert_same(reply, oracle, f"{case}, rank {rank}")
 
 
 def test_unservable_config_stops_the_launcher_naming_the_key(tmp_path):

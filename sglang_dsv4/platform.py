@@ -92,3 +92,21 @@ def bind_rank_threads(original: Callable[..., str], *, numa_index: int, world_si
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(min(torch.get_num_threads(), len(mine)))
     return ",".join(map(str, mine))
+
+
+def host_memory_share() -> float:
+    """The part of the memory SGLang measures for this rank that is the rank's own (1 off this platform).
+
+    SGLang's CPU path gives a rank the host's free memory divided by its NUMA nodes: one rank per node.
+    On this platform ranks share nodes as they share cores (:func:`bind_rank_threads`), and every rank
+    of a launch on this host would otherwise size its pools from the same memory (two DP ranks on a
+    24 GB host each took 11 GB, and the kernel killed one). Each rank takes an equal share:
+    ``nodes / max(nodes, ranks on this host)``.
+    """
+    if not on_torch_cpu_platform():
+        return 1.0
+    from sglang.srt.mem_cache.pool_host.base import ranks_per_host
+    from sglang.srt.utils.common import get_cpu_ids_by_node
+
+    nodes = max(len(get_cpu_ids_by_node()), 1)
+    return nodes / max(nodes, ranks_per_host())

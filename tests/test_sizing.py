@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_pool import with_device_twins
 
+from sglang_dsv4 import platform
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.layout import PoolLayout
@@ -23,6 +24,25 @@ def test_budget_splits_into_request_rows_and_tokens_that_fit(tiny_model):
     assert pool.storage.allocated_bytes <= budget
     # The budget is used: one more page of tokens would not fit.
     assert (tokens + 1) * layout.bytes_per_token + 17 * layout.bytes_per_request + layout.padding_bytes > budget
+
+
+def test_ranks_that_share_the_hosts_memory_each_size_their_pools_from_their_share(tiny_model):
+    layout, budget = PoolLayout(tiny_model.config, torch.float32), 64 * 2**20
+    whole = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0)
+    half = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0, memory_share=0.5)
+    assert half.calculate_pool_sizes(budget, 1) == whole.calculate_pool_sizes(budget // 2, 1)
+
+
+@pytest.mark.parametrize(("nodes", "ranks", "share"), [(1, 1, 1.0), (1, 2, 0.5), (2, 2, 1.0), (2, 8, 0.25)])
+def test_on_the_cpu_platform_each_rank_on_a_host_gets_an_equal_share_of_its_memory(monkeypatch, nodes, ranks, share):
+    # SGLang measured a NUMA node's memory for each rank: ranks beyond one per node share it.
+    from sglang.srt.mem_cache.pool_host import base
+    from sglang.srt.utils import common
+
+    monkeypatch.setattr(platform, "on_torch_cpu_platform", lambda: True)
+    monkeypatch.setattr(common, "get_cpu_ids_by_node", lambda: [str(node) for node in range(nodes)])
+    monkeypatch.setattr(base, "ranks_per_host", lambda: ranks)
+    assert platform.host_memory_share() == share
 
 
 def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():

@@ -6,7 +6,8 @@ whatever its length (its window ring and compressor state) plus bytes per token 
 context, so the budget is split with :class:`~.layout.PoolLayout`'s two numbers:
 ``tokens = (budget - rows x bytes_per_request) / bytes_per_token``. On a GPU each request row also
 has its request tables' device twin (:meth:`~.layout.PoolLayout.request_table_bytes` at the served
-context), counted among its fixed bytes.
+context), counted among its fixed bytes. Where ranks share one memory (a CPU host's), each sizes its
+pools from its ``memory_share`` of the budget SGLang measured for it.
 """
 
 from __future__ import annotations
@@ -20,16 +21,25 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class V4PoolConfigurator(MemoryPoolConfigurator):
-    def __init__(self, layout: PoolLayout, max_running_requests: int | None, device_table_context: int):
+    def __init__(
+        self,
+        layout: PoolLayout,
+        max_running_requests: int | None,
+        device_table_context: int,
+        memory_share: float = 1.0,
+    ):
         """``device_table_context``: the context of the request tables the device holds twins of
-        (0 where the tables stay on the host, as on the CPU)."""
+        (0 where the tables stay on the host, as on the CPU). ``memory_share``: the part of the measured
+        budget that is this rank's own (:func:`sglang_dsv4.platform.host_memory_share`)."""
         self.layout = layout
+        self.memory_share = memory_share
         self.request_rows = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.bytes_per_row = layout.bytes_per_request + (
             layout.request_table_bytes(device_table_context) if device_table_context else 0
         )
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> MemoryPoolConfig:
+        available_bytes = int(available_bytes * self.memory_share)
         fixed = (self.request_rows + 1) * self.bytes_per_row + self.layout.padding_bytes
         tokens = int(max(available_bytes - fixed, 0) // self.layout.bytes_per_token)
         if tokens < page_size:

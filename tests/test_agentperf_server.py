@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import aiohttp
@@ -112,5 +113,10 @@ def test_generate_api_run_completes_every_turn_and_resumes_each_history_from_the
     result = asyncio.run(measure(configurations, trajectories, settings, "short", "generate", None, str(tiny_path)))
     records = [record for trial in result.configurations[0].trials for record in trial.records]
     assert records and all(r.error is None and r.output_tokens == r.requested_tokens for r in records), records
-    later_turns = [r for r in records if r.turn > 0]
-    assert later_turns and all(r.cached_tokens and r.cached_tokens > 0 for r in later_turns), later_turns
+    # A turn that follows its trajectory's previous turn on the same agent resumes it (an agent's first turn may
+    # start mid-trajectory, with a history the server never saw).
+    resumed = [
+        turn for previous, turn in itertools.pairwise(sorted(records, key=lambda record: record.agent))
+        if (turn.agent, turn.trajectory, turn.turn) == (previous.agent, previous.trajectory, previous.turn + 1)
+    ]  # fmt: skip
+    assert resumed and all(r.cached_tokens and r.cached_tokens > 0 for r in resumed), resumed

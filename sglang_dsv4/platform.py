@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
@@ -18,6 +19,9 @@ from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 from .settings import settings
+
+if TYPE_CHECKING:
+    from .memory_pool.sizing import HostSharing
 
 DISPATCH_KEY = "dsv4_cpu"
 
@@ -94,19 +98,24 @@ def bind_rank_threads(original: Callable[..., str], *, numa_index: int, world_si
     return ",".join(map(str, mine))
 
 
-def host_memory_share() -> float:
-    """The part of the memory SGLang measures for this rank that is the rank's own (1 off this platform).
+def host_sharing() -> HostSharing:
+    """How the ranks of this launch on this host share the memory SGLang measures for each (none off this
+    platform).
 
     SGLang's CPU path gives a rank the host's free memory divided by its NUMA nodes: one rank per node.
     On this platform ranks share nodes as they share cores (:func:`bind_rank_threads`), and every rank
-    of a launch on this host would otherwise size its pools from the same memory (two DP ranks on a
-    24 GB host each took 11 GB, and the kernel killed one). Each rank takes an equal share:
-    ``nodes / max(nodes, ranks on this host)``.
+    of a launch would otherwise size its pools from the same memory (two DP ranks on a 24 GB host each
+    took 11 GB, and the kernel killed one). The ranks on one node each take an equal share of it, once
+    the others' processes are set aside (as much as this one holds now, its weights loaded).
     """
+    from .memory_pool.sizing import HostSharing
+
     if not on_torch_cpu_platform():
-        return 1.0
+        return HostSharing()
+    import psutil
     from sglang.srt.mem_cache.pool_host.base import ranks_per_host
     from sglang.srt.utils.common import get_cpu_ids_by_node
 
     nodes = max(len(get_cpu_ids_by_node()), 1)
-    return nodes / max(nodes, ranks_per_host())
+    ranks_per_node = -(-ranks_per_host() // nodes)
+    return HostSharing(ranks_per_node, psutil.Process().memory_info().rss)

@@ -21,7 +21,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from . import hooks
 from .config import check_tensor_parallel
 from .data_parallel import check_attention_data_parallel, register_data_parallel_hooks
-from .platform import bind_rank_threads, host_memory_share
+from .platform import bind_rank_threads, host_sharing
 from .routing.controller import register_routing_hooks
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
 from .serving import register_serving_hooks
@@ -193,13 +193,12 @@ def _size_v4_pools(original, configurator):
     if not is_deepseek_v4(configurator.model_config.hf_config):
         return original(configurator)
     from .memory_pool.layout import PoolLayout
-    from .memory_pool.request_tables import has_device_twins
     from .memory_pool.sizing import V4PoolConfigurator
 
     config = served_config(configurator.model_config.hf_config)
     layout = PoolLayout(config, configurator.kv_cache_dtype, verify_tokens())
-    context = configurator.model_config.context_len if has_device_twins(configurator.device) else 0
-    return V4PoolConfigurator(layout, get_schedule().max_running_requests, context, host_memory_share())
+    context = configurator.model_config.context_len
+    return V4PoolConfigurator(layout, get_schedule().max_running_requests, context, host_sharing())
 
 
 def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):

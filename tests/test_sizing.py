@@ -10,31 +10,32 @@ from sglang_dsv4 import platform
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.layout import PoolLayout
-from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS, V4PoolConfigurator
+from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS, HostSharing, V4PoolConfigurator
 
 
 def test_budget_splits_into_request_rows_and_tokens_that_fit(tiny_model):
     layout = PoolLayout(tiny_model.config, torch.float32)
     budget = 64 * 2**20
-    sizing = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0)
+    sizing = V4PoolConfigurator(layout, max_running_requests=16, table_context=0)
     tokens = sizing.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
     config = sizing.finalize_with_max_running_requests(sizing.calculate_pool_sizes_from_max_tokens(tokens, 1))
     assert config.max_running_requests == 16
     pool = V4KVPool(tokens, 1, tiny_model.config, torch.float32, max_requests=16, max_context=4096, device="cpu")
     assert pool.storage.allocated_bytes <= budget
-    # The budget is used: one more page of tokens would not fit.
-    assert (tokens + 1) * layout.bytes_per_token + 17 * layout.bytes_per_request + layout.padding_bytes > budget
+    # The budget is used: one more page of tokens would not fit beside what indexes the rows.
+    assert (tokens + 1) * sizing.bytes_per_token + 17 * sizing.bytes_per_row + layout.padding_bytes > budget
+    assert sizing.bytes_per_token > layout.bytes_per_token and sizing.bytes_per_row > layout.bytes_per_request
 
 
 def test_ranks_that_share_the_hosts_memory_each_size_their_pools_from_their_share(tiny_model):
-    layout, budget = PoolLayout(tiny_model.config, torch.float32), 64 * 2**20
-    whole = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0)
-    half = V4PoolConfigurator(layout, max_running_requests=16, device_table_context=0, memory_share=0.5)
-    assert half.calculate_pool_sizes(budget, 1) == whole.calculate_pool_sizes(budget // 2, 1)
+    layout, budget, resident = PoolLayout(tiny_model.config, torch.float32), 64 * 2**20, 8 * 2**20
+    whole = V4PoolConfigurator(layout, max_running_requests=16, table_context=0)
+    shared = V4PoolConfigurator(layout, 16, table_context=0, sharing=HostSharing(ranks=2, resident_bytes=resident))
+    assert shared.calculate_pool_sizes(budget, 1) == whole.calculate_pool_sizes((budget - resident) // 2, 1)
 
 
-@pytest.mark.parametrize(("nodes", "ranks", "share"), [(1, 1, 1.0), (1, 2, 0.5), (2, 2, 1.0), (2, 8, 0.25)])
-def test_on_the_cpu_platform_each_rank_on_a_host_gets_an_equal_share_of_its_memory(monkeypatch, nodes, ranks, share):
+@pytest.mark.parametrize(("nodes", "ranks", "per_node"), [(1, 1, 1), (1, 2, 2), (2, 2, 1), (2, 8, 4), (2, 3, 2)])
+def test_on_the_cpu_platform_the_ranks_on_a_numa_node_share_its_memory(monkeypatch, nodes, ranks, per_node):
     # SGLang measured a NUMA node's memory for each rank: ranks beyond one per node share it.
     from sglang.srt.mem_cache.pool_host import base
     from sglang.srt.utils import common
@@ -42,12 +43,13 @@ def test_on_the_cpu_platform_each_rank_on_a_host_gets_an_equal_share_of_its_memo
     monkeypatch.setattr(platform, "on_torch_cpu_platform", lambda: True)
     monkeypatch.setattr(common, "get_cpu_ids_by_node", lambda: [str(node) for node in range(nodes)])
     monkeypatch.setattr(base, "ranks_per_host", lambda: ranks)
-    assert platform.host_memory_share() == share
+    sharing = platform.host_sharing()
+    assert sharing.ranks == per_node and sharing.resident_bytes > 0
 
 
 def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():
     sizing = V4PoolConfigurator(
-        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=None, device_table_context=0
+        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=None, table_context=0
     )
     assert sizing.request_rows == DEFAULT_MAX_RUNNING_REQUESTS
     config = sizing.calculate_pool_sizes(80 * 2**30, page_size=1)
@@ -57,22 +59,24 @@ def test_request_rows_default_to_v4s_cap_and_never_exceed_what_was_set_aside():
 
 def test_budget_too_small_for_the_request_rows_names_the_fix():
     sizing = V4PoolConfigurator(
-        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=256, device_table_context=0
+        PoolLayout(named_config("flash"), torch.bfloat16), max_running_requests=256, table_context=0
     )
     with pytest.raises(ValueError, match="lower --max-running-requests"):
         sizing.calculate_pool_sizes(2**30, page_size=1)
 
 
-def test_on_a_gpu_the_request_tables_device_twins_are_set_aside_and_counted(tiny_model):
-    """A GPU pool holds a device twin of every request row's tables: the sizing sets their bytes aside
-    from the budget, and the pool counts them in what it allocated, to the byte."""
+def test_the_request_tables_are_set_aside_from_the_budget_and_a_gpu_pool_counts_its_device_twins(tiny_model):
+    """Each request row's tables at the served context are set aside (the host tables on the CPU, their
+    device twins on a GPU); a GPU pool counts the twins in what it allocated, to the byte."""
     layout, context, rows = PoolLayout(tiny_model.config, torch.float32), 4096, 16
     budget = 64 * 2**20
-    on_host = V4PoolConfigurator(layout, max_running_requests=rows, device_table_context=0)
-    on_gpu = V4PoolConfigurator(layout, max_running_requests=rows, device_table_context=context)
-    tokens = on_gpu.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
-    fewer = on_host.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens - tokens
-    assert fewer == pytest.approx((rows + 1) * layout.request_table_bytes(context) / layout.bytes_per_token, abs=1)
+    without = V4PoolConfigurator(layout, max_running_requests=rows, table_context=0)
+    with_tables = V4PoolConfigurator(layout, max_running_requests=rows, table_context=context)
+    tokens = with_tables.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens
+    fewer = without.calculate_pool_sizes(budget, page_size=1).max_total_num_tokens - tokens
+    per_token = with_tables.bytes_per_token
+    set_aside = (rows + 1) * (layout.request_table_bytes(context) - layout.request_table_bytes(0))
+    assert fewer == pytest.approx(set_aside / per_token, abs=1)
     pool = V4KVPool(tokens, 1, tiny_model.config, torch.float32, max_requests=rows, max_context=context, device="cpu")
     rows_only = pool.storage.allocated_bytes
     with_device_twins(pool.storage.tables)  # as on a GPU

@@ -47,6 +47,7 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels.kv_format import PoolFormats, RowFormat, pool_formats
+from .shared_rows import BOOKKEEPING_BYTES_PER_ROW
 
 STATE_DTYPE = torch.float32
 TABLE_DTYPE = torch.int64  # the request tables' cells: pool rows
@@ -222,6 +223,19 @@ class PoolLayout:
         per block of each ratio): what the device twin of the request tables holds per row on a GPU."""
         ratios = {b.ratio for b in self.compressed_buffers()}
         return TABLE_DTYPE.itemsize * (context + 1 + sum(context // r + 1 for r in ratios))
+
+    @property
+    def bookkeeping_bytes_per_token(self) -> float:
+        """What indexes the rows per token of context: each compressed-entry row's count and free-stack place."""
+        ratios = {b.ratio for b in self.compressed_buffers()}
+        return sum(BOOKKEEPING_BYTES_PER_ROW / r for r in ratios)
+
+    @property
+    def bookkeeping_bytes_per_request(self) -> int:
+        """What indexes the rows per request row: its window slots', checkpoint records' and entry rows'."""
+        ratios = {b.ratio for b in self.compressed_buffers()}
+        rows = self.window_slots_per_request + self.checkpoint_records_per_request_row + len(ratios)
+        return BOOKKEEPING_BYTES_PER_ROW * rows
 
     def bytes_for(self, context: int) -> float:
         """Bytes one running request holds at ``context`` tokens."""

@@ -21,17 +21,19 @@ class PoolExhausted(RuntimeError):
     """Fewer free rows than a forward cannot run without."""
 
 
+BOOKKEEPING_BYTES_PER_ROW = 4 + 8
+"""A row's reference count (int32) and its place on the free stack (int64)."""
+
+
 class SharedRows:
     def __init__(self, capacity: int, name: str):
         self.capacity = capacity
         self.name = name
         self.refs = torch.zeros(capacity + 1, dtype=torch.int32)
-        self.free_list: list[int] = []
+        # The free rows are free_stack[:free], the next one handed out last.
+        self.free_stack = torch.empty(capacity, dtype=torch.int64)
+        self.free = 0
         self.clear()
-
-    @property
-    def free(self) -> int:
-        return len(self.free_list)
 
     def alloc(self, count: int) -> torch.Tensor:
         """``count`` free rows, each with one reference, for what a forward cannot run without."""
@@ -46,8 +48,8 @@ class SharedRows:
     def _take(self, count: int) -> torch.Tensor:
         if count == 0:
             return torch.zeros(0, dtype=torch.int64)
-        rows = torch.tensor(self.free_list[-count:], dtype=torch.int64)
-        del self.free_list[-count:]
+        self.free -= count
+        rows = self.free_stack[self.free : self.free + count].clone()
         self.refs[rows] = 1
         return rows
 
@@ -63,11 +65,14 @@ class SharedRows:
         if (self.refs[rows] < 0).any():
             raise AssertionError(f"{self.name}: row released more often than it was shared")
         rows = torch.unique(rows)
-        self.free_list.extend(rows[self.refs[rows] == 0].tolist())
+        freed = rows[self.refs[rows] == 0]
+        self.free_stack[self.free : self.free + len(freed)] = freed
+        self.free += len(freed)
 
     def clear(self) -> None:
         self.refs.zero_()
-        self.free_list = list(range(self.capacity, 0, -1))
+        torch.arange(self.capacity, 0, -1, out=self.free_stack)
+        self.free = self.capacity
 
     def miscounted(self, held: torch.Tensor) -> int:
         """How many rows' reference counts differ from the number of times they appear in ``held``
@@ -76,7 +81,7 @@ class SharedRows:
         counts = torch.zeros_like(self.refs)
         counts.index_add_(0, held, torch.ones_like(held, dtype=torch.int32))
         free = torch.zeros_like(self.refs, dtype=torch.bool)
-        free[torch.tensor(self.free_list, dtype=torch.int64)] = True
+        free[self.free_stack[: self.free]] = True
         wrong = (counts != self.refs) | (free != (self.refs == 0))
         wrong[0] = False
         return int(wrong.sum())

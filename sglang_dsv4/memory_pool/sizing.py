@@ -4,13 +4,20 @@ SGLang's default configurator divides the budget by an MHA-shaped cell size and 
 derives thousands of request rows from the token count. A V4 request holds fixed bytes
 whatever its length (its window ring and compressor state) plus bytes per token of
 context, so the budget is split with :class:`~.layout.PoolLayout`'s two numbers:
-``tokens = (budget - rows x bytes_per_request) / bytes_per_token``. On a GPU each request row also
-has its request tables' device twin (:meth:`~.layout.PoolLayout.request_table_bytes` at the served
-context), counted among its fixed bytes. Where ranks share one memory (a CPU host's), each sizes its
-pools from its ``memory_share`` of the budget SGLang measured for it.
+``tokens = (budget - rows x bytes_per_request) / bytes_per_token``. What indexes the pools
+lives in the same memory and is counted with them: SGLang's token allocator, the rows'
+bookkeeping (:attr:`~.layout.PoolLayout.bookkeeping_bytes_per_token`) and each request
+row's tables at the served context (:meth:`~.layout.PoolLayout.request_table_bytes`: the
+tables themselves on the CPU, their device twins on a GPU; the rows' bookkeeping is host
+memory on a GPU, counted all the same: a few bytes per token against thousands).
+
+Where ranks share one memory (the ranks of a launch on one CPU host), SGLang measures the
+whole of it for each: :class:`HostSharing` says how this rank's budget is cut from it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig, MemoryPoolConfigurator
 
@@ -18,6 +25,20 @@ from .layout import PoolLayout
 
 # Request rows when --max-running-requests is not given (upstream's V4 default too).
 DEFAULT_MAX_RUNNING_REQUESTS = 256
+TOKEN_ALLOCATOR_BYTES = 2 * 8
+"""SGLang's token allocator per token slot: its free slots and the slots freed since its last merge, int64 each."""
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """``ranks`` processes like this one draw on the memory SGLang measured for this rank, each holding about
+    ``resident_bytes`` besides its pools: each takes an equal share of what is left once the others' are."""
+
+    ranks: int = 1
+    resident_bytes: int = 0
+
+    def budget(self, available_bytes: int) -> int:
+        return max(available_bytes - (self.ranks - 1) * self.resident_bytes, 0) // self.ranks
 
 
 class V4PoolConfigurator(MemoryPoolConfigurator):
@@ -25,26 +46,25 @@ class V4PoolConfigurator(MemoryPoolConfigurator):
         self,
         layout: PoolLayout,
         max_running_requests: int | None,
-        device_table_context: int,
-        memory_share: float = 1.0,
+        table_context: int,
+        sharing: HostSharing = HostSharing(),
     ):
-        """``device_table_context``: the context of the request tables the device holds twins of
-        (0 where the tables stay on the host, as on the CPU). ``memory_share``: the part of the measured
-        budget that is this rank's own (:func:`sglang_dsv4.platform.host_memory_share`)."""
+        """``table_context``: the context of the request tables held in the budget's memory."""
         self.layout = layout
-        self.memory_share = memory_share
+        self.sharing = sharing
         self.request_rows = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        self.bytes_per_row = layout.bytes_per_request + (
-            layout.request_table_bytes(device_table_context) if device_table_context else 0
+        self.bytes_per_token = layout.bytes_per_token + layout.bookkeeping_bytes_per_token + TOKEN_ALLOCATOR_BYTES
+        self.bytes_per_row = (
+            layout.bytes_per_request + layout.bookkeeping_bytes_per_request + layout.request_table_bytes(table_context)
         )
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> MemoryPoolConfig:
-        available_bytes = int(available_bytes * self.memory_share)
+        budget = self.sharing.budget(available_bytes)
         fixed = (self.request_rows + 1) * self.bytes_per_row + self.layout.padding_bytes
-        tokens = int(max(available_bytes - fixed, 0) // self.layout.bytes_per_token)
+        tokens = int(max(budget - fixed, 0) // self.bytes_per_token)
         if tokens < page_size:
             raise ValueError(
-                f"the KV budget ({available_bytes / 2**30:.2f} GiB) holds no token after the fixed bytes of "
+                f"the KV budget ({budget / 2**30:.2f} GiB) holds no token after the fixed bytes of "
                 f"{self.request_rows} request rows ({fixed / 2**30:.2f} GiB): lower --max-running-requests "
                 "or raise --mem-fraction-static"
             )

@@ -226,9 +226,10 @@ class PoolLayout:
 
     @property
     def bookkeeping_bytes_per_token(self) -> float:
-        """What indexes the rows per token of context: each compressed-entry row's count and free-stack place."""
+        """What indexes the rows per token slot: each compressed-entry row's count and free-stack place, and
+        per ratio the entry row the prefix cache keeps at each slot (an int64, ``EntryOwnership.of_slot``)."""
         ratios = {b.ratio for b in self.compressed_buffers()}
-        return sum(BOOKKEEPING_BYTES_PER_ROW / r for r in ratios)
+        return sum(BOOKKEEPING_BYTES_PER_ROW / r + torch.int64.itemsize for r in ratios)
 
     @property
     def bookkeeping_bytes_per_request(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -128,21 +129,20 @@ def test_under_skew_no_ranks_load_exceeds_anothers_by_more_than_the_penalty_allo
         assert max(loads) - min(loads) <= load_spread_bound(longest, weight), (loads, name)
 
 
-def test_the_command_line_and_sglangs_controller_accept_the_method_by_name():
-    HookRegistry.reset()
+def test_the_command_line_and_sglangs_controller_accept_the_method_by_name(monkeypatch):
+    # In a registry of its own: the hooks other tests loaded into this process stay registered and applied.
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
     plugin.register()
     HookRegistry.apply_hooks()
-    try:
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        for method in (METHOD, "round_robin", "total_tokens"):
-            parsed = parser.parse_args(["--model-path", "m", "--load-balance-method", method])
-            assert parsed.load_balance_method == method
-        # Ours keeps SGLang's per-rank token budget (what total_tokens keeps); SGLang's own names are its own.
-        assert LoadBalanceMethod.from_str(METHOD) is LoadBalanceMethod.TOTAL_TOKENS
-        assert LoadBalanceMethod.from_str("round_robin") is LoadBalanceMethod.ROUND_ROBIN
-    finally:
-        HookRegistry.reset()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for method in (METHOD, "round_robin", "total_tokens"):
+        parsed = parser.parse_args(["--model-path", "m", "--load-balance-method", method])
+        assert parsed.load_balance_method == method
+    # Ours keeps SGLang's per-rank token budget (what total_tokens keeps); SGLang's own names are its own.
+    assert LoadBalanceMethod.from_str(METHOD) is LoadBalanceMethod.TOTAL_TOKENS
+    assert LoadBalanceMethod.from_str("round_robin") is LoadBalanceMethod.ROUND_ROBIN
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +76,20 @@ def sglang_with_plugin() -> None:
 
     load_plugins()
     require_hooks_applied()
+
+
+@pytest.fixture
+def plugin_in_own_registry(monkeypatch) -> None:
+    """The plugin registered and its hooks applied in a hook registry of the test's own: the hooks the session
+    loaded into this process (:func:`sglang_with_plugin`) stay registered and applied after it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_dsv4 import plugin
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    plugin.register()
+    HookRegistry.apply_hooks()
 
 
 @pytest.fixture(scope="session")

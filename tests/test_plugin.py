@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_dsv4 import hooks, plugin
+from sglang_dsv4 import hooks
 from sglang_dsv4.launch import running_server
 
 
@@ -20,12 +18,7 @@ def test_missing_hook_refuses_to_start_and_names_it(monkeypatch):
     assert missing in str(error.value) and "sglang==0.5.23" in str(error.value)
 
 
-def test_all_hooks_apply_to_this_sglang(monkeypatch):
-    # In a registry of its own: the hooks other tests loaded into this process stay registered and applied.
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
-    monkeypatch.setattr(HookRegistry, "_patched", set())
-    plugin.register()
-    HookRegistry.apply_hooks()
+def test_all_hooks_apply_to_this_sglang(plugin_in_own_registry):
     hooks.require_hooks_applied()
 
 

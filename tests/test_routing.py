@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.data_parallel_controller import LoadBalanceMethod
-from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.server_args import ServerArgs
 
 from sglang_dsv4 import plugin
@@ -129,12 +127,7 @@ def test_under_skew_no_ranks_load_exceeds_anothers_by_more_than_the_penalty_allo
         assert max(loads) - min(loads) <= load_spread_bound(longest, weight), (loads, name)
 
 
-def test_the_command_line_and_sglangs_controller_accept_the_method_by_name(monkeypatch):
-    # In a registry of its own: the hooks other tests loaded into this process stay registered and applied.
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
-    monkeypatch.setattr(HookRegistry, "_patched", set())
-    plugin.register()
-    HookRegistry.apply_hooks()
+def test_the_command_line_and_sglangs_controller_accept_the_method_by_name(plugin_in_own_registry):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     for method in (METHOD, "round_robin", "total_tokens"):

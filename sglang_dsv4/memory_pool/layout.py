@@ -51,6 +51,7 @@ from .shared_rows import BOOKKEEPING_BYTES_PER_ROW
 
 STATE_DTYPE = torch.float32
 TABLE_DTYPE = torch.int64  # the request tables' cells: pool rows
+SLOT_ENTRY_DTYPE = torch.int64  # the prefix cache's entry row at each token slot, per ratio (EntryOwnership)
 # Pools per series of an online compressor state: a ratio-4 compressor keeps the current
 # block's two halves and the previous block's first half; a ratio-128 one its current block.
 OVERLAPPING_POOLS, DISJOINT_POOLS = 3, 1
@@ -227,9 +228,9 @@ class PoolLayout:
     @property
     def bookkeeping_bytes_per_token(self) -> float:
         """What indexes the rows per token slot: each compressed-entry row's count and free-stack place, and
-        per ratio the entry row the prefix cache keeps at each slot (an int64, ``EntryOwnership.of_slot``)."""
+        per ratio the entry row the prefix cache keeps at each slot (``SLOT_ENTRY_DTYPE``)."""
         ratios = {b.ratio for b in self.compressed_buffers()}
-        return sum(BOOKKEEPING_BYTES_PER_ROW / r + torch.int64.itemsize for r in ratios)
+        return sum(BOOKKEEPING_BYTES_PER_ROW / r + SLOT_ENTRY_DTYPE.itemsize for r in ratios)
 
     @property
     def bookkeeping_bytes_per_request(self) -> int:

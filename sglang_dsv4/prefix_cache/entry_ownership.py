@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..memory_pool.layout import SLOT_ENTRY_DTYPE
 from ..memory_pool.storage import V4PoolStorage
 
 
@@ -18,7 +19,8 @@ class EntryOwnership:
     def __init__(self, storage: V4PoolStorage):
         self.storage = storage
         # Per ratio, the entry row of each block whose last token's slot the tree holds (0: none).
-        self.of_slot = {r: torch.zeros(storage.tables.num_tokens + 1, dtype=torch.int64) for r in storage.entry_rows}
+        slots = storage.tables.num_tokens + 1
+        self.of_slot = {r: torch.zeros(slots, dtype=SLOT_ENTRY_DTYPE) for r in storage.entry_rows}
 
     def commit(self, row: int, slots: torch.Tensor, first: int, last: int) -> None:
         """The tree now holds token slots ``slots[first:last]`` of row ``row``: each block ending

@@ -202,6 +202,7 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
     for _ in range(5000):
         rng.choices(actions, weights)[0]()
         check(scheduler)
+    assert not prefix_cache_objects_held_by(scheduler.pool.storage)
     while scheduler.running:
         scheduler.finish(checkpoint=True)
     scheduler.tree.reset()
@@ -210,6 +211,32 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
     skipped = scheduler.pool.checkpoints.skipped
     if scarce is not None:  # the scarce kind ran out and was skipped, never raised
         assert skipped[scarce] > 0, skipped
+
+
+def prefix_cache_objects_held_by(root: object) -> list[str]:
+    """What the pool's objects, reached attribute by attribute from ``root``, hold of ``prefix_cache/``:
+    its objects, its functions and methods bound to them (a callback up into the tree or the planner)."""
+    found, seen, stack = [], set(), [("storage", root)]
+    while stack:
+        path, value = stack.pop()
+        if id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, int, float, type(None))):
+            continue
+        seen.add(id(value))
+        owner = getattr(value, "__self__", value)  # a bound method's object
+        modules = (getattr(value, "__module__", None) or "", type(owner).__module__)
+        if any(module.startswith("sglang_dsv4.prefix_cache") for module in modules):
+            found.append(path)
+            continue
+        if isinstance(value, dict):
+            stack.extend((f"{path}[{key!r}]", item) for key, item in value.items())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif type(value).__module__.startswith("sglang_dsv4"):
+            members = vars(value) if hasattr(value, "__dict__") else {}
+            slots = [name for name in getattr(type(value), "__slots__", ()) if hasattr(value, name)]
+            members |= {name: getattr(value, name) for name in slots}
+            stack.extend((f"{path}.{name}", item) for name, item in members.items())
+    return found
 
 
 def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[int, list[int]]:

@@ -95,6 +95,14 @@ class CacheManager:
         self.window_policy.after_reserve(self, row, start, target)
         self._plan_snapshots(row, start, target)
 
+    def is_bound(self, row: int) -> bool:
+        """Whether the request row holds a request's state (a later chunk of a running request)."""
+        return bool(self.tables.bound[row])
+
+    def window_slots_for_forward(self, tokens: int) -> int:
+        """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
+        return self.tables.window_slots_for_forward(tokens)
+
     def room_for_windows(self, count: int) -> bool:
         """Whether forwards can have ``count`` window slots of their own, made as reserving makes
         them (SGLang's admission and decode checks ask before the forwards' rows are reserved)."""

@@ -155,7 +155,7 @@ class V4RadixCache(RadixCache):
     def maybe_hand_to_session(self, req) -> None:
         """Right after SGLang gives a request its row: bind the row, resuming at the match."""
         row = req.kv.req_pool_idx
-        if self.manager.tables.bound[row]:
+        if self.manager.is_bound(row):
             return  # a later chunk of a running request
         resume = None
         if req.prefix_len > 0:
@@ -169,7 +169,7 @@ class V4RadixCache(RadixCache):
 
     def window_slots_for_forward(self, tokens: int) -> int:
         """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
-        return self.manager.tables.window_slots_for_forward(tokens)
+        return self.manager.window_slots_for_forward(tokens)
 
     def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
         """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``

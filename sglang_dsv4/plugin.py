@@ -244,7 +244,9 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         sizes.max_total_num_tokens,
         req_to_token_pool.size,
         pool.storage.allocated_bytes / 2**30,
-        KVLedger(pool.storage.config, configurator.kv_cache_dtype).table([req_to_token_pool.max_context_len]),
+        KVLedger(pool.storage.config, configurator.kv_cache_dtype, pool.storage.verify_tokens).table(
+            [req_to_token_pool.max_context_len]
+        ),
     )
     return pool
 

@@ -86,16 +86,21 @@ def test_with_fp8_kv_our_rows_are_the_reference_rows(name):
     assert KVLedger(named_config(name), torch.bfloat16).ours.bytes_per_token > 1.7 * ours.bytes_per_token
 
 
-@pytest.mark.parametrize(("name", "kv_dtype"), [("flash", "fp8"), ("flash", "bf16"), ("pro", "bf16"), ("pro", "fp8")])
-def test_our_layout_is_what_the_pool_allocates(name, kv_dtype):
+@pytest.mark.parametrize(
+    ("name", "kv_dtype", "verify_tokens"),
+    [("flash", "fp8", 0), ("flash", "bf16", 0), ("pro", "bf16", 0), ("pro", "fp8", 0), ("flash", "fp8", 4)],
+)
+def test_our_layout_is_what_the_pool_allocates(name, kv_dtype, verify_tokens):
     config, dtype = named_config(name), KV_DTYPES[kv_dtype]
-    ours = KVLedger(config, dtype).ours
+    ours = KVLedger(config, dtype, verify_tokens).ours
     # Row 0 of every buffer and request row 0 are padding.
     padding = ours.padding_bytes + ours.bytes_per_request
     tokens = 2 * config.hca_rate  # a whole number of blocks at every ratio
     # Two pools differing in tokens and in requests pin both figures (the system has one solution).
     for pool_tokens, requests in [(tokens, 1), (2 * tokens, 2)]:
-        pool = V4KVPool(pool_tokens, 1, config, dtype, max_requests=requests, max_context=pool_tokens, device="cpu")
+        pool = V4KVPool(
+            pool_tokens, 1, config, dtype, requests, pool_tokens, device="cpu", verify_tokens=verify_tokens
+        )
         assert (
             pool.storage.allocated_bytes
             == ours.bytes_per_token * pool_tokens + ours.bytes_per_request * requests + padding
@@ -230,3 +235,23 @@ def test_weight_ledger_counts_the_mtp_layer_on_its_own_line():
     assert {name: size for name, size in with_mtp.items() if name != MTP_PART} == {
         name: size for name, size in without.items() if name != MTP_PART
     }
+
+
+def test_dsv4_ledger_under_speculation_counts_the_rollback_records_and_the_mtp_layers_kv(capsys):
+    config, fp8 = named_config("flash"), KV_DTYPES["fp8"]
+    printed = {}
+    for draft_tokens in ("0", "4"):
+        dsv4(["ledger", "--config", "flash", "--kv-dtype", "fp8", "--context", "27000", "--tp", "8", "--ep", "8",
+              "--speculative-num-draft-tokens", draft_tokens])  # fmt: skip
+        output = capsys.readouterr().out
+        printed[draft_tokens] = reference_column(output) | per_gpu_cells(output, "per GPU:")
+    plain, speculating = KVLedger(config, fp8).ours, KVLedger(config, fp8, 4).ours
+    assert "of it rollback records (4)" in speculating_rows(printed["4"]) and not speculating_rows(printed["0"])
+    assert speculating.state_bytes_per_request - plain.state_bytes_per_request == 4 * plain.record_bytes
+    assert speculating.window_slot_bytes == (config.num_layers + 1) * plain.formats.entries.row_bytes
+    sessions = [int(cells["27,000-token sessions in one GPU's pools"].replace(",", "")) for cells in printed.values()]
+    assert sessions[1] < sessions[0]
+
+
+def speculating_rows(cells: dict[str, str]) -> list[str]:
+    return [label for label in cells if "rollback" in label]

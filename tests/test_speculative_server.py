@@ -28,6 +28,7 @@ from serving_checks import assert_pools_idle, generate
 from sglang_dsv4 import load_config, load_model, speculation
 from sglang_dsv4.config import ConfigError
 from sglang_dsv4.launch import running_server
+from sglang_dsv4.memory_pool.ledger import KVLedger
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
 from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
 
@@ -120,6 +121,15 @@ def test_trained_mtp_greedy_with_speculation_is_greedy_without(shipped_server):
 def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path):
     accepted = assert_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path)
     assert max(accepted) < 1.2  # a random MTP layer's drafts are nearly all rejected: nearly every verify rolls back
+
+
+def test_the_speculating_server_allocates_what_the_ledger_under_speculation_says(shipped_server):
+    # The MTP layer's KV and every request row's rollback records (4 tokens a verify forward) included.
+    layout = KVLedger(load_config(shipped_checkpoint()), torch.float32, verify_tokens=4).ours
+    usage = server_report(shipped_server)["dsv4_pools"]
+    tokens, request_rows = usage["token_slots"]["total"], usage["request_rows"]["total"] + 1
+    expected = tokens * layout.bytes_per_token + layout.padding_bytes + request_rows * layout.bytes_per_request
+    assert usage["allocated_bytes"] == expected
 
 
 def test_a_turn_resumed_from_the_prefix_cache_continues_as_a_cold_one(shipped_server):

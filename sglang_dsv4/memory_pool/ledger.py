@@ -21,7 +21,8 @@ sessions, so a GPU's distinct sessions are its pools' sessions over the attentio
 Without attention DP that group is the whole TP group; with ``--attn-dp-size D`` each of
 the D groups holds its own sessions.
 
-``dsv4 ledger --config {flash,pro,PATH} [--tp N --attn-dp-size D --ep M --quantization fp8|none]``
+``dsv4 ledger --config {flash,pro,PATH} [--tp N --attn-dp-size D --ep M --quantization fp8|none
+--speculative-num-draft-tokens K]``
 prints the tables (:func:`run`).
 """
 
@@ -127,10 +128,12 @@ class ReferenceLayout:
 
 @dataclass(frozen=True)
 class KVLedger:
-    """A V4 config's memory in the reference layout and in ours (KV dtype ``kv_dtype``)."""
+    """A V4 config's memory in the reference layout and in ours (KV dtype ``kv_dtype``; under speculation,
+    ``verify_tokens`` per verify forward, ours also holds the MTP layer's KV and the rollback records)."""
 
     config: DeepseekV4Config
     kv_dtype: torch.dtype = torch.bfloat16
+    verify_tokens: int = 0
 
     @property
     def reference(self) -> ReferenceLayout:
@@ -138,7 +141,7 @@ class KVLedger:
 
     @property
     def ours(self) -> PoolLayout:
-        return PoolLayout(self.config, self.kv_dtype)
+        return PoolLayout(self.config, self.kv_dtype, self.verify_tokens)
 
     @property
     def fixed_ratio(self) -> float:
@@ -156,6 +159,7 @@ class KVLedger:
             ("fixed bytes per request", *(_mib(layout.running_bytes_per_request) for layout in (reference, ours))),
             ("  sliding window", *(_mib(layout.window_bytes_per_request) for layout in (reference, ours))),
             ("  compressor state", *(_mib(layout.state_bytes_per_request) for layout in (reference, ours))),
+            *self._speculation_rows(),
             ("fixed per request / reference", "1", _three_digits(self.fixed_ratio)),
             ("one checkpoint (window + state)", "-", _mib(ours.checkpoint_bytes)),
             *(
@@ -181,7 +185,20 @@ class KVLedger:
             f" ({_mib(ours.checkpoint_bytes_per_request)})"
         )
         lines = [heading, *_aligned(rows), reference_note, ours_note]
+        if self.verify_tokens:
+            lines.append(
+                f"ours under speculation ({self.verify_tokens} tokens a verify forward): the MTP layer's KV in every"
+                " per-token and window figure, and a running request's rollback records in its compressor state"
+            )
         return "\n".join(lines)
+
+    def _speculation_rows(self) -> list[tuple[str, str, str]]:
+        """The rollback records' share of a running request's compressor state, under speculation."""
+        ours = self.ours
+        if not self.verify_tokens:
+            return []
+        rollback = ours.rollback_records_per_request_row * ours.record_bytes
+        return [(f"    of it rollback records ({ours.rollback_records_per_request_row})", "-", _mib(rollback))]
 
 
 @dataclass(frozen=True)
@@ -198,6 +215,7 @@ class RankLedger:
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype = torch.bfloat16
     redundant_experts: int = 0
+    verify_tokens: int = 0
 
     @property
     def experts_per_rank(self) -> int:
@@ -221,7 +239,7 @@ class RankLedger:
 
     @property
     def kv(self) -> PoolLayout:
-        return PoolLayout(self.config, self.kv_dtype)
+        return PoolLayout(self.config, self.kv_dtype, self.verify_tokens)
 
     def static_bytes(self, mem_fraction_static: float) -> float:
         """SGLang's static share of an H200: the weights and the pools."""
@@ -243,7 +261,8 @@ class RankLedger:
                 continue
             layout = Parallelism(parallel.tp, parallel.ep, parallel.tp // attention_tp)
             candidate = RankLedger(
-                self.config, layout, self.quantized, self.dtype, self.kv_dtype, self.redundant_experts
+                self.config, layout, self.quantized, self.dtype, self.kv_dtype, self.redundant_experts,
+                self.verify_tokens,
             )
             try:
                 if candidate.fits(mem_fraction_static):
@@ -431,6 +450,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights as released (fp8: FP8 dense, FP4 experts; the default) or none (all in bf16)",
     )
     parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=0,
+        help="tokens a speculative verify forward runs per request (SGLang's flag; default 0: no speculation):"
+        " the MTP layer's KV and each running request's rollback records join our layout",
+    )
+    parser.add_argument(
         "--mem-fraction-static",
         type=float,
         default=DEFAULT_MEM_FRACTION_STATIC,
@@ -444,7 +470,9 @@ def run(args: argparse.Namespace) -> None:
     except ConfigError as error:
         raise SystemExit(f"dsv4 ledger: {error}") from None
     title = f"DeepSeek-V4 {args.config}"
-    ledger = KVLedger(config, KV_DTYPES[args.kv_dtype])
+    if args.speculative_num_draft_tokens < 0:
+        raise SystemExit("dsv4 ledger: --speculative-num-draft-tokens must be 0 or more")
+    ledger = KVLedger(config, KV_DTYPES[args.kv_dtype], args.speculative_num_draft_tokens)
     try:
         rank = RankLedger(
             config,
@@ -452,6 +480,7 @@ def run(args: argparse.Namespace) -> None:
             QUANTIZATIONS[args.quantization],
             kv_dtype=ledger.kv_dtype,
             redundant_experts=args.ep_num_redundant_experts,
+            verify_tokens=ledger.verify_tokens,
         )
         per_gpu = rank.table(args.mem_fraction_static, args.context, title)
     except ValueError as error:

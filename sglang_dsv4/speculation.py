@@ -108,7 +108,7 @@ def check_speculation(view: Any, hf_config: Any) -> None:
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
     the chain's, decode graphs on a platform that captures them (SGLang would capture the verify and the draft
     steps, whose batches this package's graph hooks do not index yet), a separate draft model, a checkpoint
-    without an MTP layer, or a parallel layout."""
+    without an MTP layer, or attention DP (not served yet: --tp alone is)."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -131,6 +131,11 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-algorithm {algorithm}: the verify and draft batches do not run through CUDA graphs "
             "yet; add --disable-cuda-graph (or --cuda-graph-backend-decode disabled)"
         )
+    if view.attn_dp_size != 1:
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm}: not served under attention DP yet (got attention DP "
+            f"{view.attn_dp_size}); --tp without --attn-dp-size serves it"
+        )
     model_path = str(getattr(hf_config, "_name_or_path", ""))
     if view.speculative_draft_model_path not in (None, model_path):
         raise ConfigError(
@@ -141,11 +146,6 @@ def check_speculation(view: Any, hf_config: Any) -> None:
         raise ConfigError(
             f"--speculative-algorithm {algorithm}: the checkpoint has no MTP layer to draft with "
             "(num_nextn_predict_layers: 1 and mtp.* tensors)"
-        )
-    if view.tp_size != 1 or view.attn_dp_size != 1:
-        raise ConfigError(
-            f"--speculative-algorithm {algorithm}: served on one rank only so far (got --tp {view.tp_size}, "
-            f"attention DP {view.attn_dp_size})"
         )
 
 

@@ -72,6 +72,13 @@ def random_mtp_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tensor_parallel_server(log_dir):
+    args = ["--dtype", "float32", "--tp", "2", "--max-total-tokens", "4096", *SPECULATION]
+    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-tp2.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def random_server(random_mtp_path, log_dir):
     args = ["--dtype", "float32", "--attention-backend", "dsv4_torch", *SPECULATION]
     with running_server(random_mtp_path, *args, log_path=log_dir / "speculative-random.log") as url:
@@ -121,6 +128,11 @@ def test_trained_mtp_greedy_with_speculation_is_greedy_without(shipped_server):
 def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path):
     accepted = assert_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path)
     assert max(accepted) < 1.2  # a random MTP layer's drafts are nearly all rejected: nearly every verify rolls back
+
+
+def test_greedy_with_speculation_over_two_tensor_parallel_ranks_is_greedy_without(tensor_parallel_server):
+    accepted = assert_greedy_with_speculation_is_greedy_without(tensor_parallel_server, shipped_checkpoint())
+    assert max(accepted) > 2  # the trained MTP layer's drafts are accepted on both ranks alike
 
 
 def test_the_speculating_server_allocates_what_the_ledger_under_speculation_says(shipped_server):
@@ -261,8 +273,9 @@ def test_n_samples_with_speculation(shipped_server, shipped_model):
     [
         ({"num_nextn_predict_layers": 0}, SPECULATION, "the checkpoint has no MTP layer to draft with"),
         ({}, (*SPECULATION[:4], "--speculative-eagle-topk", "2"), "--speculative-eagle-topk 2"),
+        ({}, (*SPECULATION, "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2"), "not served under attention DP"),
     ],
-    ids=["no-mtp-layer", "topk-2"],
+    ids=["no-mtp-layer", "topk-2", "attention-dp"],
 )
 def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin, changes, flags, named):
     checkpoint = config_only_checkpoint(tmp_path / "checkpoint", **changes)

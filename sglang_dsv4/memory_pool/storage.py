@@ -125,26 +125,26 @@ class V4PoolStorage:
 
     # --- speculative verify: rollback records ------------------------------------------------
 
-    def rollback_record(self, request: int, offset: int) -> int:
+    def rollback_record(self, row: int, offset: int) -> int:
         """The record holding the row's state ``offset`` tokens into its verify forward (``0 .. verify_tokens - 1``)."""
         if not 0 <= offset < self.verify_tokens:
             raise ValueError(f"rollback offset {offset} outside a verify of {self.verify_tokens} tokens")
-        return self._first_rollback_record + request * self.verify_tokens + offset
+        return self._first_rollback_record + row * self.verify_tokens + offset
 
-    def begin_verify(self, request: int) -> None:
+    def begin_verify(self, row: int) -> None:
         """The row's state before its verify forward is its rollback record at offset 0 (the forward fills the
         later ones as it passes their positions)."""
-        self.save_record(request, self.rollback_record(request, 0))
+        self.save_record(row, self.rollback_record(row, 0))
 
-    def rollback(self, request: int, start: int, accepted: int) -> None:
+    def rollback(self, row: int, start: int, accepted: int) -> None:
         """After a verify forward of ``verify_tokens`` tokens from ``start``, the row's state records at
         ``start + accepted`` (``1 <= accepted <= verify_tokens``): those of the last accepted token, and one
         token back (see :meth:`save_record`); its request tables rewound to that position."""
         if accepted < self.verify_tokens:
-            self.restore_record(request, self.rollback_record(request, accepted))
+            self.restore_record(row, self.rollback_record(row, accepted))
         for key, records in self.previous_state.items():
-            records[request] = self.checkpoint_state[key][self.rollback_record(request, accepted - 1)]
-        self.tables.rewind(request, start + accepted)
+            records[row] = self.checkpoint_state[key][self.rollback_record(row, accepted - 1)]
+        self.tables.rewind(row, start + accepted)
 
     # --- one request's layer state (the torch reference) -------------------------------------
 

@@ -83,14 +83,14 @@ class Checkpoints:
         for checkpoint in self.pending.pop(row, []):
             self.release(checkpoint)
 
-    def drop_pending_after(self, request: int, position: int) -> None:
+    def drop_pending_after(self, row: int, position: int) -> None:
         """The row was rewound to ``position`` (a verify's rejected drafts): its snapshots planned after it go,
         so checkpoints land at accepted positions only."""
-        pending = self.pending.get(request, [])
+        pending = self.pending.get(row, [])
         for checkpoint in pending:
             if checkpoint.position > position:
                 self.release(checkpoint)
-        self.pending[request] = [c for c in pending if c.position <= position]
+        self.pending[row] = [c for c in pending if c.position <= position]
 
     def drop_newest(self) -> bool:
         """A forward's own window slots ran short: drop the most recently planned snapshot not

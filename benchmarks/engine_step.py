@@ -33,9 +33,9 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    ``k`` drafts and the token they follow) through the batched core's extend path and the output projection,
    over an index built once, against the decode step's own layer step (``verify{k}_vs_decode``).
 
-Bytes are counted as distinct requests move them: window 128 rows of ``head_dim`` bf16 (staged), ratio-4
-layers ``index_topk`` selected entries and all ``context / 4`` indexer keys, ratio-128 layers all
-``context / 128`` entries, entries and keys as the pools store them (FP8 rows: 584 and 132 B at V4's dims).
+Bytes are counted as distinct requests move them: window 128 rows (staged), ratio-4 layers ``index_topk``
+selected entries and all ``context / 4`` indexer keys, ratio-128 layers all ``context / 128`` entries, every row
+as the pools store it (bf16 values, or FP8 rows: 584 B a window row or entry and 132 B a key at V4's dims).
 """
 
 from __future__ import annotations
@@ -266,10 +266,10 @@ class AttentionCore:
         index = step.graph_index.build(step.rows, step.seq_lens)
         q_residual, self.q, kv, self.cos, self.sin = attention.project(step.x, index.positions)
         formats = pools.formats
-        earlier = formats.entries.decode(pools.window[step.layer][index.window.previous_slots], kv.dtype)
-        staged = torch.cat([kv, earlier])
-        self.window = KVSelection(staged, index.window.indices, index.window.lengths)
-        self.compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
+        staged = torch.cat([formats.entries.encode(kv), pools.window[step.layer][index.window.previous_slots]])
+        self.window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
+        no_entries = index.window.indices[:, :0], torch.zeros_like(index.window.lengths)
+        self.compressed = KVSelection(staged, *no_entries, formats.entries)
         self.select = None
         if attention.compressor is not None:
             reads = index.entries[attention.compressor.ratio]
@@ -297,9 +297,9 @@ class AttentionCore:
 
 
 def core_bytes(config: DeepseekV4Config, kind: str, batch: int, context: int, formats: PoolFormats) -> float:
-    """What the core reads: the staged window in bf16, entries and indexer keys as the pools store them."""
+    """What the core reads: the staged window, entries and indexer keys as the pools store them."""
     entry, key = formats.entries.row_bytes, formats.indexer_keys.row_bytes
-    per_request = config.sliding_window * config.head_dim * DTYPE.itemsize
+    per_request = config.sliding_window * entry
     if kind == "csa":
         per_request += config.index_topk * entry + context // 4 * key
     elif kind == "hca":

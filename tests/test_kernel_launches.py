@@ -79,16 +79,22 @@ def assert_fits(hopper: CompiledForHopper, before: int, expected_kernels: int) -
         assert shared <= H200_SHARED_MEMORY, f"{name} asks {shared} B of shared memory"
 
 
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["values", "fp8-rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
-def test_sparse_attention_fits_in_every_dtype(hopper, model, dtype):
+def test_sparse_attention_fits_in_every_dtype(hopper, model, dtype, fp8_rows):
+    """Pools of values, and DeepSeek's FP8 rows in both the window and the compressed pool (``--kv-cache-dtype
+    fp8_e4m3``: dequantized in-register)."""
     from sglang_dsv4.kernels.attention import sparse_decode_attention
+    from sglang_dsv4.kernels.kv_format import Fp8EntryRows
     from sglang_dsv4.kernels.selection import KVSelection
 
     config = named_config(model)
     heads, dim = config.num_heads, config.head_dim
     q = torch.zeros(2, heads, dim, dtype=dtype)
-    rows = KVSelection(torch.zeros(4, dim, dtype=dtype), torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    row_format = Fp8EntryRows(dim, config.rope_head_dim) if fp8_rows else None
+    pool = row_format.empty(4, "cpu") if fp8_rows else torch.zeros(4, dim, dtype=dtype)
+    rows = KVSelection(pool, torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, dtype=torch.int32), row_format)
     cos = sin = torch.zeros(2, config.rope_head_dim // 2)
     before = len(hopper.compiled)
     for splits in (1, 2):  # the kernel, then with the merge of split partials
@@ -96,18 +102,37 @@ def test_sparse_attention_fits_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 3)
 
 
+@pytest.mark.parametrize("fp8_keys", [False, True], ids=["values", "fp8-keys"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
-def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype):
+def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype, fp8_keys):
     from sglang_dsv4.kernels.indexer import index_scores
+    from sglang_dsv4.kernels.kv_format import Fp8KeyRows
 
     config = named_config(model)
     q = torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype)
-    keys = torch.zeros(8, config.index_head_dim, dtype=dtype)
+    keys_format = Fp8KeyRows(config.index_head_dim) if fp8_keys else None
+    keys = keys_format.empty(8, "cpu") if fp8_keys else torch.zeros(8, config.index_head_dim, dtype=dtype)
     lengths = torch.full((2,), 8, dtype=torch.int32)
     before = len(hopper.compiled)
-    index_scores(q, torch.zeros(2, config.index_n_heads), keys, lengths, scale=0.1, table=torch.zeros(2, 8, dtype=torch.int32))
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    weights = torch.zeros(2, config.index_n_heads)
+    index_scores(q, weights, keys, lengths, scale=0.1, table=table, keys_format=keys_format)
     assert_fits(hopper, before, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
+    """The one-launch encode of FP8 entry rows (window rows, compressed entries) and indexer-key rows."""
+    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows
+    from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
+
+    config = named_config(model)
+    before = len(hopper.compiled)
+    encode_fp8_rows(torch.zeros(3, config.head_dim, dtype=dtype), Fp8EntryRows(config.head_dim, config.rope_head_dim))
+    encode_fp8_rows(torch.zeros(3, config.index_head_dim, dtype=dtype), Fp8KeyRows(config.index_head_dim))
+    assert_fits(hopper, before, 2)
 
 
 @pytest.mark.parametrize("width", [2049, 16384, 32769])

@@ -86,23 +86,40 @@ def test_attention_matches_float64_reference(
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def fp8_selection(kernels, row_format: Fp8EntryRows, rows: int, width: int, generator):
+    """A selection of FP8 entry rows (scales far apart), and the same rows decoded to float64 values."""
+    values = random_selection(kernels, rows, width, row_format.dim, torch.float32, generator)
+    values.pool[1:] *= torch.logspace(-3, 2, values.pool.shape[0] - 1)[:, None]
+    stored = kernels.KVSelection(row_format.encode(values.pool), values.indices, values.lengths, row_format)
+    decoded = kernels.KVSelection(row_format.decode(stored.pool, torch.float64), values.indices, values.lengths)
+    return stored, decoded
+
+
 @interpreted_only
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "rope_dim", "dtype", "splits"),
-    [(4, 64, 16, torch.float32, 1), (4, 128, 64, torch.float32, 3), (16, 64, 16, torch.bfloat16, 2)],
+    ("heads", "head_dim", "rope_dim", "dtype", "splits", "fp8_window"),
+    [
+        (4, 64, 16, torch.float32, 1, False),
+        (4, 128, 64, torch.float32, 3, True),
+        (16, 64, 16, torch.bfloat16, 2, True),
+        (4, 64, 16, torch.float32, 2, True),
+    ],
 )
-def test_fp8_compressed_rows_dequantized_in_the_kernel_match_the_torch_path(
-    kernels, monkeypatch, heads, head_dim, rope_dim, dtype, splits
+def test_fp8_rows_dequantized_in_the_kernel_match_the_torch_path(
+    kernels, monkeypatch, heads, head_dim, rope_dim, dtype, splits, fp8_window
 ):
-    """FP8 entry rows (a partial scale block where ``head_dim - rope_dim`` is not a multiple of 64) against the
-    torch path's attention over the same rows, decoded."""
-    rows, generator = 5, torch.Generator().manual_seed(head_dim + heads)
+    """FP8 entry rows (a partial scale block where ``head_dim - rope_dim`` is not a multiple of 64) in the
+    compressed pool, and in the window's too (as the batched core stages them), against the torch path's
+    attention over the same rows, decoded."""
+    rows, generator = 5, torch.Generator().manual_seed(head_dim + heads + splits)
     row_format = Fp8EntryRows(head_dim, rope_dim)
     q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
-    window = random_selection(kernels, rows, 9, head_dim, dtype, generator)
-    values = random_selection(kernels, rows, 40, head_dim, torch.float32, generator)
-    values.pool[1:] *= torch.logspace(-3, 2, values.pool.shape[0] - 1)[:, None]  # scales far apart
-    compressed = kernels.KVSelection(row_format.encode(values.pool), values.indices, values.lengths, row_format)
+    if fp8_window:
+        window, window_decoded = fp8_selection(kernels, row_format, rows, 9, generator)
+    else:
+        window = random_selection(kernels, rows, 9, head_dim, dtype, generator)
+        window_decoded = widened(kernels, window)
+    compressed, compressed_decoded = fp8_selection(kernels, row_format, rows, 40, generator)
     sink = torch.randn(heads, generator=generator)
     angles = torch.rand(rows, rope_dim // 2, generator=generator) * 6
     cos, sin = angles.cos(), angles.sin()
@@ -110,10 +127,10 @@ def test_fp8_compressed_rows_dequantized_in_the_kernel_match_the_torch_path(
 
     out = kernels.sparse_decode_attention(q, window, compressed, sink, cos, sin, scale=head_dim**-0.5, splits=splits)
 
-    decoded = kernels.KVSelection(row_format.decode(compressed.pool, torch.float64), values.indices, values.lengths)
     expected = kernels.sparse_decode_attention_reference(
-        q.double(), widened(kernels, window), decoded, sink.double(), cos.double(), sin.double(), scale=head_dim**-0.5
-    )
+        q.double(), window_decoded, compressed_decoded, sink.double(), cos.double(), sin.double(),
+        scale=head_dim**-0.5,
+    )  # fmt: skip
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 

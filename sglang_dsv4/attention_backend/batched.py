@@ -35,7 +35,13 @@ import torch
 
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
-from ..kernels.dispatch import compress_one_token_each, fill_decode_index, index_top_k, sparse_attention
+from ..kernels.dispatch import (
+    compress_one_token_each,
+    encode_rows,
+    fill_decode_index,
+    index_top_k,
+    sparse_attention,
+)
 from ..kernels.kv_format import PoolFormats, RowFormat
 from ..kernels.selection import KVSelection
 from ..model.attention import Attention
@@ -451,13 +457,14 @@ def attend(
     rank passes its own). Advances the layer's pools in place."""
     q_residual, q, kv, cos, sin = attention.project(x, index.positions)
     window_rows, formats = storage.window[layer], storage.formats
-    # The chunk's own tokens are read as stored, as the forwards after it read them from the pool.
-    stored = formats.entries.encode(kv)
-    earlier = formats.entries.decode(window_rows[index.window.previous_slots], kv.dtype)
-    staged = torch.cat([formats.entries.decode(stored, kv.dtype), earlier])
+    # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
+    # stored rows, which the attention decodes where it reads them.
+    stored = encode_rows(formats.entries, kv)
+    staged = torch.cat([stored, window_rows[index.window.previous_slots]])
     window_rows.index_copy_(0, index.window.write_slots, stored)
-    window = KVSelection(staged, index.window.indices, index.window.lengths)
-    compressed = KVSelection(staged, index.window.indices[:, :0], torch.zeros_like(index.window.lengths))
+    window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
+    no_entries = index.window.indices[:, :0], torch.zeros_like(index.window.lengths)
+    compressed = KVSelection(staged, *no_entries, formats.entries)
     if attention.compressor is not None:
         entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
         reads = index.entries[attention.compressor.ratio]
@@ -538,7 +545,7 @@ def _advance_one_token_each(
     new_entries = compress_one_token_each(
         compressor, kv, gate, index.positions, records.state, index.rows, targets.blocks
     )
-    out.rows.index_copy_(0, targets.entry_rows, out.row_format.encode(new_entries))
+    out.rows.index_copy_(0, targets.entry_rows, encode_rows(out.row_format, new_entries))
     records.checkpoint.index_copy_(0, targets.snapshot_records, records.state[index.rows])
 
 
@@ -549,6 +556,6 @@ def _advance_pooled(
     every block the forward touches at once)."""
     targets = index.compressors[compressor.ratio]
     pooled = compressor.pool_blocks(compressor.wkv(x), compressor.wgate(x), targets.blocks, records.state[index.rows])
-    out.rows.index_copy_(0, targets.entry_rows, out.row_format.encode(pooled.entries))
+    out.rows.index_copy_(0, targets.entry_rows, encode_rows(out.row_format, pooled.entries))
     records.state.index_copy_(0, index.rows, pooled.state)
     records.checkpoint.index_copy_(0, targets.snapshot_records, pooled.snapshots)

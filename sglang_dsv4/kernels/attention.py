@@ -9,9 +9,9 @@ output's trailing ``rope_dim`` channels get the inverse rope at the query's posi
 (the values carry their keys' rope). Semantics: :meth:`sglang_dsv4.model.attention.Attention._attend`
 followed by the inverse rope; :func:`sparse_decode_attention_reference` states them in torch.
 
-The compressed pool's rows may be DeepSeek's FP8 rows (``--kv-cache-dtype fp8_e4m3``,
+Either pool's rows may be DeepSeek's FP8 rows (``--kv-cache-dtype fp8_e4m3``,
 :class:`~.kv_format.Fp8EntryRows`): the kernel loads their bytes and dequantizes them in-register
-(:mod:`.fp8_rows`); the window's rows come staged as values.
+(:mod:`.fp8_rows`).
 
 Index buffers have a fixed width per call and a length per row, so one launch serves
 rows of different lengths and can be captured in a CUDA graph. A program handles one
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .fp8_rows import fp8_entry_rows
 from .interpreter import INTERPRETED, dot
-from .kv_format import Fp8EntryRows, PlainRows
+from .kv_format import ENTRY_SCALE_BLOCK, Fp8EntryRows, PlainRows
 from .selection import KVSelection
 from .sparse_torch import sparse_decode_attention_reference  # noqa: F401  (the kernel's oracle)
 
@@ -107,8 +107,8 @@ def sparse_decode_attention(
         partial_acc = torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=q.device)
         partial_stats = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32"
-    fp8 = isinstance(compressed.row_format, Fp8EntryRows)
-    fp8_rows = compressed.row_format if fp8 else Fp8EntryRows(head_dim, 0)  # its offsets unused
+    window_fp8, compressed_fp8 = (isinstance(part.row_format, Fp8EntryRows) for part in (window, compressed))
+    fp8_rows = _fp8_format(window, compressed) or Fp8EntryRows(head_dim, 0)  # its offsets unused
     # Head blocks vary fastest, so the programs sharing a row's entries run together and meet them in the L2.
     _sparse_attention_kernel[(head_blocks, rows, splits)](
         q, q.stride(0), q.stride(1),
@@ -121,8 +121,9 @@ def sparse_decode_attention(
         heads, scale * LOG2E,
         HEAD_DIM=head_dim, ROPE_DIM=rope_dim, BLOCK_H=block_heads, BLOCK_N=launch.block_entries, SPLITS=splits,
         DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
-        COMPRESSED_FP8=fp8, NOPE_DIM=fp8_rows.nope_dim,
-        SCALE_OFFSET=fp8_rows.scale_offset, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        WINDOW_FP8=window_fp8, COMPRESSED_FP8=compressed_fp8, NOPE_DIM=fp8_rows.nope_dim,
+        SCALE_OFFSET=fp8_rows.scale_offset, ROW_BYTES=fp8_rows.row_bytes,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(rows, triton.cdiv(heads, MERGE_BLOCK_HEADS))](
@@ -211,12 +212,17 @@ def _check_inputs(
         raise ValueError("cos and sin must share one layout with a contiguous last dim")
     if sink.shape != (heads,) or sink.dtype != torch.float32 or not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
-    if window.row_format is not None and not isinstance(window.row_format, PlainRows):
-        raise ValueError("the window's rows are read as values (the backend stages them); only compressed rows are FP8")
+    formats = {part.row_format for part in (window, compressed) if isinstance(part.row_format, Fp8EntryRows)}
+    if len(formats) > 1:
+        raise ValueError(f"the window's and the compressed pool's FP8 rows differ: {formats}")
     for name, part in (("window", window), ("compressed", compressed)):
+        if part.row_format is not None and not isinstance(part.row_format, PlainRows | Fp8EntryRows):
+            raise ValueError(f"{name} rows are stored as {part.row_format}: the kernel reads values or FP8 entry rows")
         width, dtype = _stored_row(part, head_dim, q.dtype)
         if part.pool.dim() != 2 or part.pool.shape[1] != width or part.pool.stride(1) != 1:
             raise ValueError(f"{name} pool must be [rows, {width}] with contiguous rows")
+        if dtype == torch.uint8 and part.pool.stride(0) != width:
+            raise ValueError(f"{name} pool's FP8 rows must lie {width} bytes apart (the kernel's constexpr stride)")
         if part.pool.dtype != dtype:
             raise ValueError(f"{name} pool is {part.pool.dtype}, its rows want {dtype} (q is {q.dtype})")
         if part.indices.dtype != torch.int32 or part.indices.shape[0] != rows or part.indices.stride(1) != 1:
@@ -225,11 +231,19 @@ def _check_inputs(
             raise ValueError(f"{name} lengths must be int32 [{rows}]")
 
 
+def _fp8_format(window: KVSelection, compressed: KVSelection) -> Fp8EntryRows | None:
+    """The FP8 entry rows either pool stores (both the same where both do), or None."""
+    return next((p.row_format for p in (window, compressed) if isinstance(p.row_format, Fp8EntryRows)), None)
+
+
 def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
     """Width and dtype of a pool's rows: FP8 entry rows are bytes, any other row ``head_dim`` values in ``dtype``."""
     if isinstance(part.row_format, Fp8EntryRows):
         if part.row_format.dim != head_dim:
             raise ValueError(f"FP8 rows of {part.row_format.dim} values for a head_dim of {head_dim}")
+        if part.row_format.rope_dim > ENTRY_SCALE_BLOCK:
+            rope_dim = part.row_format.rope_dim
+            raise ValueError(f"an FP8 row's rope dims are read in its last scale block: at most 64, got {rope_dim}")
         return part.row_format.row_bytes, torch.uint8
     return head_dim, dtype
 
@@ -238,7 +252,7 @@ def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[i
 def _attend_entries(
     q, m_i, l_i, acc, kv_ptr, kv_row_stride, index_ptr, start, end, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8_ROWS: tl.constexpr = False, NOPE_DIM: tl.constexpr = 0, SCALE_OFFSET: tl.constexpr = 0,
+    FP8_ROWS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits).
 
@@ -250,7 +264,7 @@ def _attend_entries(
         valid = slots < end
         rows = tl.load(index_ptr + slots, mask=valid, other=0).to(tl.int64)
         if FP8_ROWS:
-            kv = fp8_entry_rows(kv_ptr, rows, kv_row_stride, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET).to(q.dtype)
+            kv = fp8_entry_rows(kv_ptr, rows, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES).to(q.dtype)
         else:
             kv = tl.load(kv_ptr + rows[:, None] * kv_row_stride + columns[None, :], mask=valid[:, None], other=0.0)
         logits = dot(q, tl.trans(kv), DOT_PRECISION, UPCAST_DOT) * scale_log2
@@ -295,7 +309,8 @@ def _sparse_attention_kernel(
     num_heads, scale_log2,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    COMPRESSED_FP8: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+    WINDOW_FP8: tl.constexpr, COMPRESSED_FP8: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
@@ -318,11 +333,12 @@ def _sparse_attention_kernel(
     m_i, l_i, acc = _attend_entries(
         q, m_i, l_i, acc, window_kv, window_kv_stride, window_index + row * window_index_stride,
         start, tl.minimum(end, n_window), scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
     )  # fmt: skip
     m_i, l_i, acc = _attend_entries(
         q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index + row * compressed_index_stride,
         tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
-        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET,
+        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
     )  # fmt: skip
     if SPLITS == 1:
         _store_with_inverse_rope(

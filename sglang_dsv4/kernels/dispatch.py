@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from . import sparse_torch
-from .kv_format import RowFormat
+from .kv_format import Fp8EntryRows, Fp8KeyRows, RowFormat
 from .selection import KVSelection
 
 
@@ -272,6 +272,17 @@ def sparse_attention(
 
         return sparse_decode_attention(q, window, compressed, sink.contiguous(), cos, sin, scale=scale)
     return sparse_torch.sparse_attention(q, window, compressed, sink, cos, sin, scale=scale)
+
+
+def encode_rows(row_format: RowFormat, values: torch.Tensor) -> torch.Tensor:
+    """``row_format.encode(values)``: DeepSeek's FP8 rows in one Triton launch (:mod:`.fp8_encode`, byte for byte
+    the torch codec's) where ``dim`` is a power of two, anything else by the codec itself."""
+    fp8 = isinstance(row_format, Fp8EntryRows | Fp8KeyRows)
+    if fp8 and uses_triton(values) and row_format.dim & (row_format.dim - 1) == 0:
+        from .fp8_encode import encode_fp8_rows
+
+        return encode_fp8_rows(values, row_format)
+    return row_format.encode(values)
 
 
 # Query rows scored at once on the Triton path: its scores are [rows, context / 4] float32 (256 MiB at 1M).

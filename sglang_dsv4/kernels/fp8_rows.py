@@ -1,11 +1,13 @@
 """DeepSeek's FP8 rows (:mod:`.kv_format`) read inside Triton kernels: the in-register half of the format.
 
 The kernels load a row's bytes and rebuild its values exactly (an E4M3 value times a power of two, a bf16
-value) with integer operations and bit casts only, so the same code runs compiled and under the interpreter.
-An indexer key's float32 scale is loaded whole, through a float32 pointer (the rows and the scale's offset are
-multiples of 4 bytes, :mod:`.kv_format`): four byte loads per value took the ratio-4 core over twice as long.
-An entry's bf16 rope values stay two byte loads: through a bf16 pointer the ratio-128 core measured 2x slower
-(benchmarks/NOTES.md, issue 30).
+value). An E4M3 byte is bit-cast to ``tl.float8e4nv`` and converted to float32 (the hardware conversion on
+CUDA; Triton's interpreter converts every finite code alike, and the format never stores the NaN codes 0x7f /
+0xff). A row's stride is a constexpr (``ROW_BYTES``, the format's row size: the pools' rows are contiguous), so
+the compiler knows each row's alignment (8 bytes for V4's 584-byte entries, 4 for its 132-byte keys) and loads
+a row's bytes in words rather than one at a time. A row's scales are loaded once each, not once per value (the
+row read as ``[rows, blocks, block]``); an entry's rope values through a bf16 pointer, a key's scales through a
+float32 one.
 """
 
 from __future__ import annotations
@@ -21,38 +23,55 @@ def _power_of_two(biased_exponent):
 
 
 @triton.jit
-def _e4m3_value(bits):
-    """The float32 value of E4M3 bytes (int32 ``bits``): ``(8 + m) * 2**(e - 10)``, and ``m * 2**-9`` for ``e = 0``."""
-    exponent = (bits >> 3) & 15
-    mantissa = (bits & 7).to(tl.float32)
-    normal = (8.0 + mantissa) * _power_of_two(tl.maximum(exponent, 1) + 117)
-    magnitude = tl.where(exponent > 0, normal, mantissa * 0.001953125)
-    return tl.where((bits & 128) != 0, -magnitude, magnitude)
+def _e4m3_value(codes):
+    """The float32 value of E4M3 bytes (uint8 ``codes``)."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def fp8_entry_rows(
-    rows_ptr, rows, row_stride, valid, HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr
-):
-    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes): ``e4m3 * 2**(scale byte - 127)`` for the
-    nope channels (one scale byte per 64), the bf16 values for the rope channels. Byte loads only, exact."""
-    columns = tl.arange(0, HEAD_DIM)[None, :]
-    row_bytes = rows_ptr + rows[:, None] * row_stride
-    nope, rope = valid[:, None] & (columns < NOPE_DIM), valid[:, None] & (columns >= NOPE_DIM)
-    fp8 = tl.load(row_bytes + columns, mask=nope, other=0).to(tl.int32)
-    scale = _power_of_two(tl.load(row_bytes + SCALE_OFFSET + columns // 64, mask=nope, other=127).to(tl.int32))
-    low = tl.load(row_bytes + NOPE_DIM + 2 * (columns - NOPE_DIM), mask=rope, other=0).to(tl.int32)
-    high = tl.load(row_bytes + NOPE_DIM + 2 * (columns - NOPE_DIM) + 1, mask=rope, other=0).to(tl.int32)
-    bf16 = ((high << 24) | (low << 16)).to(tl.float32, bitcast=True)
-    return tl.where(columns < NOPE_DIM, _e4m3_value(fp8) * scale, bf16)
+    rows_ptr, rows, valid,
+    HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes, ``ROW_BYTES`` apart): ``e4m3 * 2**(scale
+    byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope channels. Exact.
+
+    Read as ``[BLOCK_N, blocks, 64]`` (one scale a block, loaded once): the FP8 bytes, each row's scale bytes, and
+    its rope values, which lie in the last block (``rope_dim <= 64``, as the attention's wrapper checks)."""
+    BLOCKS: tl.constexpr = (HEAD_DIM + 63) // 64
+    WIDTH: tl.constexpr = HEAD_DIM // BLOCKS
+    ROPE_DIM: tl.constexpr = HEAD_DIM - NOPE_DIM
+    block = tl.arange(0, BLOCKS)[None, :, None]
+    within = tl.arange(0, WIDTH)[None, None, :]
+    columns = block * WIDTH + within
+    row_bytes = rows_ptr + rows[:, None, None] * ROW_BYTES
+    ok = valid[:, None, None]
+    fp8 = tl.load(row_bytes + columns, mask=ok & (columns < NOPE_DIM), other=0)
+    exponents = tl.load(row_bytes + SCALE_OFFSET + block, mask=ok & (block * WIDTH < NOPE_DIM), other=127)
+    rope_column = within - (WIDTH - ROPE_DIM)  # the last block's trailing ROPE_DIM columns
+    rope_values = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.bfloat16)) + rope_column
+    rope = tl.load(rope_values, mask=ok & (rope_column >= 0), other=0.0).to(tl.float32)
+    values = tl.where(columns < NOPE_DIM, _e4m3_value(fp8) * _power_of_two(exponents.to(tl.int32)), rope)
+    return tl.reshape(values, (rows.shape[0], HEAD_DIM))
 
 
 @triton.jit
-def fp8_key_rows(rows_ptr, rows, row_stride, valid, DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr):
-    """Rows ``[BLOCK, DIM]`` float32 of FP8 indexer-key rows (bytes): ``e4m3 * scale``, one float32 scale per 128."""
-    columns = tl.arange(0, DIM)[None, :]
-    row_bytes = rows_ptr + rows[:, None] * row_stride
-    mask = valid[:, None] & (columns < DIM)
-    fp8 = tl.load(row_bytes + columns, mask=mask, other=0).to(tl.int32)
-    scales = (row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
-    return _e4m3_value(fp8) * tl.load(scales + columns // 128, mask=mask, other=0.0)
+def fp8_key_rows(
+    rows_ptr, rows, valid, DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, dtype: tl.constexpr
+):  # fmt: skip
+    """FP8 indexer-key rows (bytes, ``ROW_BYTES`` apart; one float32 scale per 128 values) as ``(values [BLOCK,
+    DIM] in dtype, scale [BLOCK] float32)`` whose product ``values * scale[:, None]`` is the rows' values: while a
+    key is one scale block (``DIM <= 128``, V4's keys) the E4M3 values themselves and each row's scale, which the
+    caller applies to its dot products (exact: a power of two); else the values scaled and a scale of 1."""
+    BLOCKS: tl.constexpr = (DIM + 127) // 128
+    WIDTH: tl.constexpr = DIM // BLOCKS
+    block = tl.arange(0, BLOCKS)[None, :, None]
+    columns = block * WIDTH + tl.arange(0, WIDTH)[None, None, :]
+    row_bytes = rows_ptr + rows[:, None, None] * ROW_BYTES
+    ok = valid[:, None, None]
+    codes = tl.load(row_bytes + columns, mask=ok, other=0).to(tl.float8e4nv, bitcast=True)
+    scales = tl.load((row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block, mask=ok, other=0.0)
+    if BLOCKS == 1:
+        return tl.reshape(codes.to(dtype), (rows.shape[0], DIM)), tl.reshape(scales, (rows.shape[0],))
+    values = tl.reshape((codes.to(tl.float32) * scales).to(dtype), (rows.shape[0], DIM))
+    return values, tl.full((rows.shape[0],), 1.0, tl.float32)

@@ -54,6 +54,7 @@ def index_scores(
         table_arg, 0 if table is None else table.stride(0), lengths, scores, scores.stride(0), width, scale,
         HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
         TILES=tiles, HAS_TABLE=table is not None, KEYS_FP8=fp8, SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
+        ROW_BYTES=keys_format.row_bytes if fp8 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,
         num_warps=4,
     )  # fmt: skip
@@ -155,6 +156,8 @@ def _check_inputs(
         raise ValueError(f"FP8 key rows of {fp8_keys.dim} values for an index head dim of {dim}")
     if keys.dim() != 2 or keys.shape[1] != width or keys.dtype != dtype:
         raise ValueError(f"keys must be [pool_rows, {width}] in {dtype}, got {keys.dtype} {tuple(keys.shape)}")
+    if fp8_keys is not None and keys.stride(0) != width:
+        raise ValueError(f"FP8 key rows must lie {width} bytes apart (the kernel's constexpr stride)")
     if head_weights.shape != (rows, heads) or head_weights.dtype != torch.float32 or head_weights.stride(1) != 1:
         raise ValueError(f"head_weights must be float32 [{rows}, {heads}] with a contiguous last dim")
     if lengths.shape != (rows,) or lengths.dtype != torch.int32:
@@ -169,7 +172,7 @@ def _index_scores_kernel(
     table_ptr, table_row_stride, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
     HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr,
     TILES: tl.constexpr, HAS_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+    KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -189,12 +192,13 @@ def _index_scores_kernel(
             key_rows = tl.load(table_ptr + row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
         else:
             key_rows = slots.to(tl.int64)
-        if KEYS_FP8:
-            k = fp8_key_rows(keys_ptr, key_rows, keys_row_stride, visible, DIM, SCALE_OFFSET).to(q.dtype)
+        if KEYS_FP8:  # the E4M3 values in q's dtype, each key's scale applied to its dot products
+            k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, q.dtype)
+            dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * key_scales[:, None]
         else:
             key_pointers = keys_ptr + key_rows[:, None] * keys_row_stride + channels[None, :]
             k = tl.load(key_pointers, mask=visible[:, None], other=0.0)
-        dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_KEYS, BLOCK_HEADS], float32
+            dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_KEYS, BLOCK_HEADS], float32
         scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
         scores = tl.where(visible, scores, float("-inf"))
         tl.store(scores_ptr + row * scores_row_stride + slots, scores, mask=slots < width)

@@ -1,0 +1,114 @@
+"""DeepSeek's FP8 rows (:mod:`.kv_format`) written by one Triton launch: the write half of the format on CUDA.
+
+``encode_fp8_rows(values, row_format)`` equals ``row_format.encode(values)`` byte for byte: each block's scale
+exponent is ``ceil(log2(max|x_b| / 448))`` from the float32 bits of the correctly rounded quotient (what
+``torch.frexp`` gives the torch codec), the values are scaled by that power of two exactly, clamped to +-448 and
+rounded to E4M3 to nearest even (:func:`_e4m3_code`), the rope values rounded to bf16 (likewise), and the
+padding bytes zero. The roundings are integer operations, so the same code runs compiled and under Triton's
+interpreter (whose casts round otherwise); a step writes a few rows, so launches bind, not arithmetic: the torch
+codec takes a dozen launches a batch of rows, this one (benchmarks/NOTES.md, issue 30).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_format import AMAX_FLOOR, ENTRY_SCALE_BLOCK, FP8_MAX, KEY_SCALE_BLOCK, UE8M0_BIAS, Fp8EntryRows, Fp8KeyRows
+
+ROWS_PER_PROGRAM = 4
+_FP8_MAX, _AMAX_FLOOR, _UE8M0_BIAS = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR), tl.constexpr(UE8M0_BIAS)
+
+
+def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
+    """Stored rows ``[n, row_bytes]`` uint8 of ``values [n, dim]`` (any float dtype; ``dim`` a power of two)."""
+    rows, dim = values.shape
+    if dim != row_format.dim or dim & (dim - 1):
+        raise ValueError(f"values of {dim} dims for rows of {row_format.dim}: a power of two is encoded here")
+    values = values.contiguous()
+    out = torch.empty(rows, row_format.row_bytes, dtype=torch.uint8, device=values.device)
+    if rows == 0:
+        return out
+    entries = isinstance(row_format, Fp8EntryRows)
+    block = ENTRY_SCALE_BLOCK if entries else KEY_SCALE_BLOCK
+    blocks = -(-dim // block)
+    _encode_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        values, out, rows,
+        DIM=dim, NOPE_DIM=row_format.nope_dim if entries else dim, BLOCKS=blocks, WIDTH=dim // blocks,
+        SCALES=row_format.scales, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=row_format.row_bytes,
+        FLOAT32_SCALES=not entries,
+        BLOCK_R=ROWS_PER_PROGRAM, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _ceil_log2(x):
+    """``ceil(log2(x))`` exactly, int32, for positive normal float32 ``x`` (its exponent, plus one unless a power of two)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _round_half_even(x):
+    """``x`` rounded to the nearest integer, ties to even (float32 ``0 <= x < 2**22``: the float32 sum rounds)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _e4m3_code(x):
+    """The E4M3 byte (uint8) of float32 ``x``, ``|x| <= 448``, rounded to nearest even, in integer and exact float
+    operations: Triton's interpreter rounds the cast wrongly where it carries into the exponent (31.94 to 16)."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(x)
+    exponent = tl.maximum(((magnitude.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)  # floor(log2), >= -6
+    steps = _round_half_even(magnitude * ((130 - exponent) << 23).to(tl.float32, bitcast=True))  # |x| / 2**(e-3)
+    # A normal value: ((e + 7) << 3) + steps - 8, carrying into the exponent; below 2**-6, steps of 2**-9 alone.
+    code = tl.where(magnitude < 0.015625, steps, (exponent + 6) * 8 + steps.to(tl.int32)).to(tl.int32)
+    return (code | ((bits >> 24) & 128)).to(tl.uint8)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """The bf16 bits (uint16) of finite float32 ``x``, rounded to nearest even in integer operations (the
+    interpreter's cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).to(tl.uint16)
+
+
+@triton.jit
+def _encode_kernel(
+    values_ptr, out_ptr, rows_count,
+    DIM: tl.constexpr, NOPE_DIM: tl.constexpr, BLOCKS: tl.constexpr, WIDTH: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[BLOCK_R, BLOCKS, WIDTH]``: the FP8 values of the first ``NOPE_DIM`` columns with one scale a block
+    (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = (rows < rows_count)[:, None, None]
+    block = tl.arange(0, BLOCKS)[None, :, None]
+    columns = block * WIDTH + tl.arange(0, WIDTH)[None, None, :]
+    values = tl.load(values_ptr + rows[:, None, None].to(tl.int64) * DIM + columns, mask=ok, other=0.0)
+    values = values.to(tl.float32)
+    nope = columns < NOPE_DIM
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(values), 0.0), axis=2), _AMAX_FLOOR)  # [BLOCK_R, BLOCKS]
+    exponents = _ceil_log2(tl.fdiv(amax, _FP8_MAX, ieee_rounding=True))[:, :, None]
+    inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    scaled = tl.minimum(tl.maximum(values * inverse, -_FP8_MAX), _FP8_MAX)
+    codes = _e4m3_code(scaled)
+    row_bytes = out_ptr + rows[:, None, None].to(tl.int64) * ROW_BYTES
+    tl.store(row_bytes + columns, codes, mask=ok & nope)
+    has_values = ok & (block * WIDTH < NOPE_DIM)
+    if FLOAT32_SCALES:
+        scales = (row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
+        tl.store(scales, (exponents + 127 << 23).to(tl.float32, bitcast=True), mask=has_values)
+    else:
+        tl.store(row_bytes + SCALE_OFFSET + block, (exponents + _UE8M0_BIAS).to(tl.uint8), mask=has_values)
+        rope = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (columns - NOPE_DIM)
+        tl.store(rope, _bf16_bits(values), mask=ok & ~nope)
+    PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
+    if PADDING > 0:  # an entry row's byte after its scales (its rope and scales end on an odd byte)
+        padding = row_bytes + ROW_BYTES - PADDING + tl.arange(0, 1)[None, :, None]
+        tl.store(padding, tl.zeros((BLOCK_R, 1, 1), tl.uint8), mask=ok)

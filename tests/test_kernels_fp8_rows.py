@@ -1,0 +1,116 @@
+"""DeepSeek's FP8 rows in Triton against the torch codec (:mod:`sglang_dsv4.kernels.kv_format`), bitwise: the
+in-register decode (:mod:`sglang_dsv4.kernels.fp8_rows`) over every finite E4M3 code, and the one-launch encode
+(:mod:`sglang_dsv4.kernels.fp8_encode`) over values of every magnitude and every rounding tie.
+
+Under Triton's interpreter here (in a process of its own: see ``kernel_testing``); where a GPU is, the same tests
+run the compiled kernels on it (``python -m pytest --noconftest tests/test_kernels_fp8_rows.py`` on a CUDA host:
+the hardware conversion of ``tl.float8e4nv``, and the rows' words loaded at their alignment).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import IN_INTERPRETER, launcher_only, run_under_interpreter
+
+from sglang_dsv4.kernels.kv_format import FP8, Fp8EntryRows, Fp8KeyRows
+
+ON_GPU = not IN_INTERPRETER and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+runs_kernels = pytest.mark.skipif(not (IN_INTERPRETER or ON_GPU), reason="runs interpreted or on a GPU")
+FINITE_CODES = torch.tensor([code for code in range(256) if code & 0x7F != 0x7F], dtype=torch.uint8)  # no NaNs
+
+
+@launcher_only
+def test_fp8_row_decode_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+if IN_INTERPRETER or ON_GPU:  # Triton is imported only where its kernels run (see ``kernel_testing``)
+    import triton
+    import triton.language as tl
+
+    from sglang_dsv4.kernels.fp8_rows import fp8_entry_rows, fp8_key_rows
+
+    @triton.jit
+    def _decode_kernel(
+        rows_ptr, out_ptr, count, DIM: tl.constexpr, ENTRIES: tl.constexpr, NOPE_DIM: tl.constexpr,
+        SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = rows < count
+        if ENTRIES:
+            values = fp8_entry_rows(rows_ptr, rows.to(tl.int64), valid, DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES)
+        else:
+            codes, scales = fp8_key_rows(rows_ptr, rows.to(tl.int64), valid, DIM, SCALE_OFFSET, ROW_BYTES, tl.float32)
+            values = codes * scales[:, None]
+        tl.store(out_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], values, mask=valid[:, None])
+
+
+def decoded_in_kernel(stored: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
+    """Float32 values ``[rows, dim]`` of stored rows, decoded by the kernels' row readers (unwritten: NaN)."""
+    out = torch.full((stored.shape[0], row_format.dim), float("nan"), device=stored.device)
+    entries, block = isinstance(row_format, Fp8EntryRows), 16
+    _decode_kernel[(triton.cdiv(stored.shape[0], block),)](
+        stored, out, stored.shape[0], DIM=row_format.dim, ENTRIES=entries,
+        NOPE_DIM=row_format.nope_dim if entries else 0, SCALE_OFFSET=row_format.scale_offset,
+        ROW_BYTES=row_format.row_bytes, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+def every_code(row_format: Fp8EntryRows | Fp8KeyRows, rows: int, seed: int) -> torch.Tensor:
+    """Stored rows ``[rows, row_bytes]`` from random values of very different magnitudes, whose FP8 bytes are then
+    replaced by every finite E4M3 code in turn (the scales stay the encoder's: powers of two far apart)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, row_format.dim, generator=generator) * torch.logspace(-6, 6, rows)[:, None]
+    stored = row_format.encode(values)
+    fp8_bytes = row_format.nope_dim if isinstance(row_format, Fp8EntryRows) else row_format.dim
+    codes = FINITE_CODES.repeat(-(-rows * fp8_bytes // len(FINITE_CODES)))[: rows * fp8_bytes]
+    stored[:, :fp8_bytes] = codes.view(rows, fp8_bytes)
+    return stored
+
+
+@runs_kernels
+@pytest.mark.parametrize(("dim", "rope_dim"), [(512, 64), (64, 16), (128, 64)])
+def test_entry_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int, rope_dim: int):
+    """V4's 584-byte rows (8-byte aligned), and small configs' 82- and 200-byte rows (a partial scale block)."""
+    row_format = Fp8EntryRows(dim, rope_dim)
+    stored = every_code(row_format, 37, seed=dim + rope_dim).to(DEVICE)
+    assert torch.equal(decoded_in_kernel(stored, row_format), row_format.decode(stored, torch.float32))
+
+
+@runs_kernels
+@pytest.mark.parametrize("dim", [128, 32])
+def test_key_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int):
+    row_format = Fp8KeyRows(dim)
+    stored = every_code(row_format, 41, seed=dim).to(DEVICE)
+    assert torch.equal(decoded_in_kernel(stored, row_format), row_format.decode(stored, torch.float32))
+
+
+def values_to_encode(row_format: Fp8EntryRows | Fp8KeyRows, seed: int) -> torch.Tensor:
+    """Rows of very different magnitudes, an all-zero row, negative zeros, and rows of every E4M3 rounding tie:
+    the midpoints between neighbouring codes (either sign), each block held at a scale of 1 by a value of 448."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(24, row_format.dim, generator=generator) * torch.logspace(-9, 9, 24)[:, None]
+    values[0], values[1, ::2] = 0.0, -0.0
+    magnitudes = FINITE_CODES[FINITE_CODES < 0x7F].view(FP8).float()
+    midpoints = (magnitudes[:-1] + magnitudes[1:]) / 2
+    ties = torch.cat([midpoints, -midpoints]).repeat(-(-10 * row_format.dim // (2 * len(midpoints))))
+    ties = ties[: 10 * row_format.dim].view(10, row_format.dim)
+    ties[:, ::64] = 448.0  # one in every scale block (entries 64 values a block, keys 128)
+    return torch.cat([values, ties])
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "row_format",
+    [Fp8EntryRows(512, 64), Fp8EntryRows(64, 16), Fp8EntryRows(128, 64), Fp8KeyRows(128), Fp8KeyRows(256)],
+    ids=repr,
+)
+def test_rows_encoded_in_one_launch_equal_the_codec_byte_for_byte(row_format, dtype):
+    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows
+
+    values = values_to_encode(row_format, seed=row_format.dim).to(dtype).to(DEVICE)
+    assert torch.equal(encode_fp8_rows(values, row_format), row_format.encode(values))

@@ -98,12 +98,14 @@ def main() -> None:
         LS = attention.LaunchShape
         for fp8, launch in [
             (False, LS()), (True, LS()), (True, LS(block_entries=32)), (True, LS(num_stages=1)),
-            (True, LS(num_warps=4)), (True, LS(block_heads=32, block_entries=64)), (True, LS(num_warps=4, num_stages=1)),
+            (True, LS(num_warps=4)), (True, LS(block_heads=32, block_entries=64)),
+            (True, LS(num_warps=4, num_stages=1)),
         ]:  # fmt: skip
             try:
                 us, moved = attention_us(timer, batch, fp8, launch)
             except Exception as error:  # noqa: BLE001 - a shape that does not compile reports why
-                print(json.dumps({"kernel": "attention", "batch": batch, "launch": repr(launch), "error": repr(error)[:200]}))
+                failed = {"kernel": "attention", "batch": batch, "launch": repr(launch), "error": repr(error)[:200]}
+                print(json.dumps(failed))
                 continue
             floor = moved / ceilings["copy_tbps"] / 1e6
             case = {"kernel": "attention", "batch": batch, "fp8": fp8, "launch": repr(launch), "us": us}

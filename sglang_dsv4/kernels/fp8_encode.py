@@ -45,7 +45,8 @@ def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows)
 
 @triton.jit
 def _ceil_log2(x):
-    """``ceil(log2(x))`` exactly, int32, for positive normal float32 ``x`` (its exponent, plus one unless a power of two)."""
+    """``ceil(log2(x))`` exactly, int32, for positive normal float32 ``x``: its exponent, plus one unless ``x`` is
+    a power of two."""
     bits = x.to(tl.int32, bitcast=True)
     return ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,6 +210,19 @@ def dp2(tiny_path, log_dir, expected):
 
 def dp2_log(log_dir: Path) -> Path:
     return log_dir / "dp2-server.log"
+
+
+def warmup_ranks(log: Path) -> set[str]:
+    """The DP ranks of a server log's first two prefills: SGLang's start-up warmup, one identical prompt per
+    rank sent together before the server takes requests."""
+    prefills = [line for line in log.read_text().splitlines() if "Prefill batch" in line]
+    return {re.search(r" (DP\d+) TP\d+", line).group(1) for line in prefills[:2]}
+
+
+def test_sglangs_start_up_warmups_go_one_to_each_rank(dp2, log_dir):
+    # dsv4_cache_aware holds no checkpoint for the first warmup until a rank reports one, so the second goes by
+    # load to the other rank (it once followed the first to rank 0).
+    assert warmup_ranks(dp2_log(log_dir)) == {"DP0", "DP1"}
 
 
 def test_both_ranks_at_once_give_the_single_process_tokens_and_logprobs(dp2, expected):

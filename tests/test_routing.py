@@ -141,6 +141,20 @@ def test_a_dropped_checkpoint_and_a_flushed_rank_are_routed_to_no_more():
     assert len(router.indexes[1]) == 0
 
 
+def test_the_router_keeps_the_prompts_of_requests_on_their_ranks_within_its_bound():
+    router = CacheAwareRouter(ranks=1, prompt_tokens_kept=100)
+    router.sent(0, "a", [1] * 60, when=0.0)
+    router.sent(0, "b", [2] * 60, when=0.0)  # past the bound: "a", the oldest, is forgotten
+    router.apply(Made(0, "a", (60,), ()))
+    router.apply(Made(0, "b", (60,), ()))
+    assert router.indexes[0].longest_checkpointed_prefix([1] * 61) == 0
+    assert router.indexes[0].longest_checkpointed_prefix([2] * 61) == 60
+    router.apply(Released(0, "b"))
+    router.sent(0, "c", [3] * 90, when=0.0)  # fits once "b" is gone
+    router.apply(Made(0, "c", (89, 90), ()))
+    assert router.indexes[0].longest_checkpointed_prefix([3] * 90 + [5]) == 90
+
+
 def test_only_active_ranks_are_chosen_and_a_pinned_request_is_placed_on_its_rank():
     router = CacheAwareRouter(ranks=3)
     router.sent(2, "pinned", [5] * 40, when=0.0)

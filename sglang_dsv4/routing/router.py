@@ -17,6 +17,7 @@ its figures every 20 ms and a fresh figure does not yet count a request still on
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ from .scoring import LOAD_WEIGHT, choose_rank
 
 # Edge tokens each rank's index holds (a few hundred bytes a token for the trie's tuples and ints).
 INDEX_TOKENS_PER_RANK = 1 << 20
-# Prompts of requests sent and not yet reported released (a request SGLang refuses before its rank's tree
-# sees it is never reported; the oldest go first).
-PROMPTS_KEPT = 1 << 16
+# Prompt tokens (int32) of requests sent and not yet reported released, 256 MiB (a request SGLang refuses
+# before its rank's tree sees it is never reported released; past the bound the oldest prompts go first).
+PROMPT_TOKENS_KEPT = 1 << 26
 
 
 @dataclass
@@ -51,11 +52,18 @@ class RankRouting:
 
 
 class CacheAwareRouter:
-    def __init__(self, ranks: int, weight: float = LOAD_WEIGHT, max_tokens: int = INDEX_TOKENS_PER_RANK):
+    def __init__(
+        self,
+        ranks: int,
+        weight: float = LOAD_WEIGHT,
+        max_tokens: int = INDEX_TOKENS_PER_RANK,
+        prompt_tokens_kept: int = PROMPT_TOKENS_KEPT,
+    ):
         self.weight = weight
         self.indexes = [CheckpointIndex(max_tokens) for _ in range(ranks)]
         self.routing = [RankRouting() for _ in range(ranks)]
-        self._prompts: OrderedDict[str, list[int]] = OrderedDict()  # rid -> prompt, while on its rank
+        self._prompts: OrderedDict[str, array] = OrderedDict()  # rid -> prompt, while on its rank
+        self._prompt_tokens, self._prompt_tokens_kept = 0, prompt_tokens_kept
         self._made = [{} for _ in range(ranks)]  # (rid, position) -> its index node, per rank
         self._sent_since = [deque() for _ in range(ranks)]  # (when, prompt tokens) per rank
 
@@ -71,10 +79,18 @@ class CacheAwareRouter:
         routing.routed += 1
         routing.predicted_hits += matched > 0
         routing.uncached_tokens += len(prompt) - matched
-        self._prompts[rid] = list(prompt)
-        if len(self._prompts) > PROMPTS_KEPT:
-            self._prompts.popitem(last=False)
+        self._keep_prompt(rid, prompt)
         self._sent_since[rank].append((when, len(prompt)))
+
+    def _keep_prompt(self, rid: str, prompt: Sequence[int]) -> None:
+        self._forget_prompt(rid)
+        self._prompts[rid] = array("i", prompt)
+        self._prompt_tokens += len(prompt)
+        while self._prompt_tokens > self._prompt_tokens_kept:
+            self._forget_prompt(next(iter(self._prompts)))
+
+    def _forget_prompt(self, rid: str) -> None:
+        self._prompt_tokens -= len(self._prompts.pop(rid, ()))
 
     def loads(self, figures: Sequence[int], taken_at: Sequence[float]) -> list[int]:
         """Each rank's load: its last figure (``figures[r]``, taken at ``taken_at[r]``) plus the prompt tokens
@@ -91,12 +107,12 @@ class CacheAwareRouter:
         """A rank's report: checkpoints made or dropped, a request gone, the tree flushed."""
         match report:
             case Made(rank, rid, positions, past_prompt) if rid in self._prompts:
-                nodes = self.indexes[rank].insert(self._prompts[rid] + list(past_prompt), positions)
+                nodes = self.indexes[rank].insert(self._prompts[rid] + array("i", past_prompt), positions)
                 self._made[rank].update(((rid, p), node) for p, node in zip(positions, nodes, strict=True))
             case Dropped(rank, rid, position) if (rid, position) in self._made[rank]:
                 self.indexes[rank].drop(self._made[rank].pop((rid, position)))
             case Released(_, rid):
-                self._prompts.pop(rid, None)
+                self._forget_prompt(rid)
             case Flushed(rank):
                 self.indexes[rank] = CheckpointIndex(self.indexes[rank].max_tokens)
                 self._made[rank].clear()

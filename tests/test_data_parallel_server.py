@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,6 +119,40 @@ def _routed_sessions(url: str) -> list[list[dict]]:
         return list(pool.map(lambda session: _routed_session(url, session), range(ROUTED_SESSIONS)))
 
 
+# Sessions taking their turns one after another; the first turn pinned to a rank, later ones routed.
+EVICTED_SESSIONS, EVICTED_RANK = 4, 1
+
+
+def _turn_prompt(session: int, replies: list[dict]) -> list[int]:
+    """Session ``session``'s next prompt after ``replies``: its start, then each answer and a follow-up."""
+    prompt = _prompt(200, 1000 + session)
+    for turn, reply in enumerate(replies):
+        prompt = prompt + reply["output_ids"] + _prompt(20, 1100 + 10 * session + turn)
+    return prompt
+
+
+def _turns(url: str, replies: list[list[dict]], ranks: list[int | None]) -> list[dict]:
+    """One more turn of every session, one session after another (session ``s`` pinned to ``ranks[s]``)."""
+    for session, rank in enumerate(ranks):
+        prompt = _turn_prompt(session, replies[session])
+        replies[session].append(generate_on(url, prompt, ROUTED_ANSWER, rank, start=len(prompt) - 1))
+    return [session[-1] for session in replies]
+
+
+def _sessions_turn_by_turn(url: str, sessions: int) -> list[list[dict]]:
+    """Three turns of each session, unpinned."""
+    _flush(url)
+    replies = [[] for _ in range(sessions)]
+    for _ in range(3):
+        _turns(url, replies, [None] * sessions)
+    return replies
+
+
+def _reusable(reply: dict) -> int:
+    """What a turn leaves the next one to resume: its prompt and answer but the answer's last token."""
+    return reply["meta_info"]["prompt_tokens"] + len(reply["output_ids"]) - 1
+
+
 def _internal_states(url: str) -> list[dict]:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"]
 
@@ -155,6 +190,7 @@ def expected(tiny_server) -> dict:
         "cold second turn": _cold_second_turn(url, session[0]),
         "until eos": _until_eos_concurrently(url, RETRACTED_PROMPTS),
         "routed sessions": _routed_sessions(url),
+        "evicted sessions": _sessions_turn_by_turn(url, EVICTED_SESSIONS),
     }
 
 
@@ -174,6 +210,19 @@ def dp2(tiny_path, log_dir, expected):
 
 def dp2_log(log_dir: Path) -> Path:
     return log_dir / "dp2-server.log"
+
+
+def warmup_ranks(log: Path) -> set[str]:
+    """The DP ranks of a server log's first two prefills: SGLang's start-up warmup, one identical prompt per
+    rank sent together before the server takes requests."""
+    prefills = [line for line in log.read_text().splitlines() if "Prefill batch" in line]
+    return {re.search(r" (DP\d+) TP\d+", line).group(1) for line in prefills[:2]}
+
+
+def test_sglangs_start_up_warmups_go_one_to_each_rank(dp2, log_dir):
+    # dsv4_cache_aware holds no checkpoint for the first warmup until a rank reports one, so the second goes by
+    # load to the other rank (it once followed the first to rank 0).
+    assert warmup_ranks(dp2_log(log_dir)) == {"DP0", "DP1"}
 
 
 def test_both_ranks_at_once_give_the_single_process_tokens_and_logprobs(dp2, expected):
@@ -413,3 +462,28 @@ def _routing_reports(url: str) -> list[dict]:
 
 def _predicted_hits(report: dict) -> int:
     return round(report["predicted_hit_share"] * report["routed"])
+
+
+def test_sessions_on_a_rank_whose_cache_was_evicted_resume_cold_once_then_reuse_again(dp2, expected):
+    # Sessions 0 and 1 start on rank 0, sessions 2 and 3 on rank 1; a burst of other prompts pinned to rank 1
+    # then evicts what its tree held, and rank 1 reports it: the router predicts nothing there any more.
+    _flush(dp2)
+    replies = [[] for _ in range(EVICTED_SESSIONS)]
+    first_ranks = [0 if session < EVICTED_SESSIONS // 2 else EVICTED_RANK for session in range(EVICTED_SESSIONS)]
+    previous = _turns(dp2, replies, first_ranks)
+    for seed in range(5):  # 3,500 prompt tokens on a rank of 2,600 token slots
+        generate_on(dp2, _prompt(700, 1200 + seed), 1, EVICTED_RANK)
+    evicted = [rank == EVICTED_RANK for rank in first_ranks]
+    for turn, expect_cold in enumerate((evicted, [False] * EVICTED_SESSIONS), start=1):
+        before = _routing_reports(dp2)
+        served = _turns(dp2, replies, [None] * EVICTED_SESSIONS)
+        after = _routing_reports(dp2)
+        for session, (reply, last, cold) in enumerate(zip(served, previous, expect_cold, strict=True)):
+            cached = reply["meta_info"]["cached_tokens"]
+            assert cached == 0 if cold else cached >= _reusable(last), (turn, session, cached, _reusable(last))
+        hits = sum(_predicted_hits(a) - _predicted_hits(b) for a, b in zip(after, before, strict=True))
+        assert hits == EVICTED_SESSIONS - sum(expect_cold), f"turn {turn}: the router predicted {hits} hits"
+        previous = served
+    for session, (served, oracle) in enumerate(zip(replies, expected["evicted sessions"], strict=True)):
+        assert [r["output_ids"] for r in served] == [r["output_ids"] for r in oracle], f"session {session}"
+    assert_pools_idle(dp2)

@@ -25,6 +25,8 @@ from test_pool import make_scarce
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
 from sglang_dsv4.prefix_cache.tree import V4RadixCache
+from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
+from sglang_dsv4.routing.router import CacheAwareRouter
 
 TOKENS, ROWS, CONTEXT = 3000, 6, 1400
 
@@ -344,3 +346,57 @@ def test_per_request_keeps_a_sessions_last_turn_and_releases_what_its_turns_resu
     assert len(positions) == 7 and positions[:3] == [39, 40, 42], positions
     # Released: the second turn's two (the branch stops it), then three a turn.
     assert tree.checkpoint_report()["checkpoint_evictions"]["superseded_at_resume"] == 2 + 3 * 3
+
+
+class ReportsToRouter:
+    """A rank's reports handed straight to a router of one rank (the DP controller's, without the channel)."""
+
+    def __init__(self, router: CacheAwareRouter):
+        self.router = router
+
+    def made(self, rid, positions, tokens_past_prompt) -> None:
+        self.router.apply(Made(0, rid, tuple(positions), tuple(tokens_past_prompt)))
+
+    def dropped(self, rid, position) -> None:
+        self.router.apply(Dropped(0, rid, position))
+
+    def released(self, rid) -> None:
+        self.router.apply(Released(0, rid))
+
+    def flushed(self) -> None:
+        self.router.apply(Flushed(0))
+
+
+def test_the_routers_index_from_the_trees_reports_holds_exactly_the_trees_checkpoints(tiny_model):
+    # Random admissions, decodes, finishes, aborts and evictions with scarce checkpoint records (so checkpoints
+    # are skipped, evicted and superseded); after every step the router's index of the rank is the tree's.
+    rng = random.Random(3)
+    scheduler = Scheduler(tiny_model.config, rng, SCARCE["records"])
+    router = CacheAwareRouter(ranks=1)
+    scheduler.tree.reports = ReportsToRouter(router)
+    checkpoint = scheduler.tree.checkpoint
+
+    def sent_then_checkpointed(req, *, up_to):  # the controller sends a prompt before its rank checkpoints it
+        if req.rid not in router._prompts:
+            router.sent(0, req.rid, list(req.origin_input_ids), when=0.0)
+        checkpoint(req, up_to=up_to)
+
+    scheduler.tree.checkpoint = sent_then_checkpointed
+    operations = [
+        (scheduler.admit, 6),
+        (scheduler.decode, 30),
+        (lambda: scheduler.finish(checkpoint=True), 5),
+        (lambda: scheduler.finish(checkpoint=False), 1),
+        (lambda: scheduler.tree.evict(EvictParams(num_tokens=rng.randrange(1, 400))), 2),
+        (scheduler.tree.evict_one_checkpoint, 2),
+    ]
+    actions, weights = zip(*operations, strict=True)
+    for _ in range(1500):
+        rng.choices(actions, weights)[0]()
+        prefixes = checkpoint_prefixes(scheduler.tree)
+        assert len(router.indexes[0]) == len(prefixes)
+        for prefix in prefixes:
+            assert router.indexes[0].longest_checkpointed_prefix(prefix) == len(prefix)
+    assert scheduler.tree.evictions.total() > 0 and len(prefixes) > 0
+    scheduler.tree.reset()
+    assert len(router.indexes[0]) == 0

@@ -137,8 +137,10 @@ def test_random_config_served_matches_hf(case: ServedCase, single_process):
 @pytest.mark.parametrize("case", [case for case in served_cases() if servable_at_dp2(case.seed)], ids=str)
 def test_a_random_config_at_dp_gives_the_single_process_servers_tokens_and_logprobs(case, single_process, log_dir):
     # One prompt per DP rank at once, on the torch reference backend (the shipped checkpoint's DP server runs the
-    # batched one), with SGLang's round robin: under dsv4_cache_aware both of SGLang's start-up warmup requests
-    # (the same text) go to rank 0, and once, with another seed on this backend, the start hung there (issue 24).
+    # batched one), with SGLang's round robin named: the dp2 server routes by dsv4_cache_aware, so both methods
+    # answer as the single process. (Before the ranks reported their checkpoints, dsv4_cache_aware sent both of
+    # SGLang's start-up warmups to rank 0, and once, with another seed on this backend, the start hung there;
+    # issue 24, cause not found.)
     served = single_process(case)
     dp_args = ("--dtype", "float32", *DP_ARGS, *_override_args(case), "--attention-backend", "dsv4_torch")
     dp_args += ("--load-balance-method", "round_robin")

@@ -14,8 +14,9 @@ from sglang.srt.managers.data_parallel_controller import LoadBalanceMethod
 from sglang.srt.server_args import ServerArgs
 
 from sglang_dsv4 import plugin
-from sglang_dsv4.routing.checkpoint_index import CheckpointIndex, predicted_positions
+from sglang_dsv4.routing.checkpoint_index import CheckpointIndex
 from sglang_dsv4.routing.controller import METHOD
+from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
 from sglang_dsv4.routing.router import CacheAwareRouter
 from sglang_dsv4.routing.scoring import LOAD_WEIGHT, choose_rank, load_spread_bound, rank_costs
 from sglang_dsv4.served_config import ARCHITECTURE
@@ -34,13 +35,6 @@ def test_ties_and_an_empty_index_go_to_the_least_loaded_rank():
     assert rank_costs(50, [10, 0], [40, 0], 0.25) == [50, 50]
     assert choose_rank(50, [10, 0], [40, 0], 0.25) == 1
     assert choose_rank(50, [0, 0], [7, 7]) == 0
-
-
-def test_positions_are_the_interval_points_and_the_prompts_last_two_ends():
-    assert predicted_positions(10, 4) == [4, 8, 9, 10]
-    assert predicted_positions(8, 4) == [4, 7, 8]
-    assert predicted_positions(5, 0) == [4, 5]
-    assert predicted_positions(1, 4) == [1]
 
 
 def test_the_longest_match_ends_at_a_checkpoint_not_anywhere_along_a_shared_prefix():
@@ -69,33 +63,108 @@ def test_the_index_stays_within_its_tokens_dropping_the_least_recently_used():
     assert [index.longest_checkpointed_prefix(ids) for ids in (first, second, third)] == [10, 0, 10]
 
 
-def test_a_session_stays_on_its_rank_and_new_sessions_spread_by_load():
-    router = CacheAwareRouter(ranks=2, interval=0)
+def serve(router: CacheAwareRouter, rank: int, rid: str, prompt: list[int], output: list[int]) -> None:
+    """What rank ``rank`` reports for one request: checkpoints a token before the prompt's end and at it, then
+    at the request's end, and the request gone."""
+    router.apply(Made(rank, rid, (len(prompt) - 1, len(prompt)), ()))
+    router.apply(Made(rank, rid, (len(prompt) + len(output),), tuple(output)))
+    router.apply(Released(rank, rid))
+
+
+def send(router: CacheAwareRouter, rid: str, prompt: list[int], loads: list[int], active=(0, 1)) -> int:
+    """Route ``prompt``, note it sent, and grow its rank's load by it (as a fresh load figure would)."""
+    rank = router.route(prompt, loads, list(active))
+    router.sent(rank, rid, prompt, when=0.0)
+    loads[rank] += len(prompt)
+    return rank
+
+
+def test_a_session_stays_on_the_rank_that_reported_its_checkpoints_and_new_sessions_spread_by_load():
+    router = CacheAwareRouter(ranks=2)
     loads = [0, 0]
     turns = {}
     for session in range(4):
         prompt = [session] * 100
-        rank = router.route(prompt, loads, [0, 1])
-        loads[rank] += len(prompt)
-        turns[session] = (prompt, rank)
+        rank = send(router, f"{session}/0", prompt, loads)
+        serve(router, rank, f"{session}/0", prompt, [7, 8])
+        turns[session] = (prompt + [7, 8], rank)
     assert sorted(rank for _, rank in turns.values()) == [0, 0, 1, 1]
-    for session, (prompt, rank) in turns.items():
-        assert router.route([*prompt, 7, 8, 9], loads, [0, 1]) == rank, session
+    for session, (history, rank) in turns.items():
+        assert send(router, f"{session}/1", [*history, 9], loads) == rank, session
     reports = router.report()
     assert [r["routed"] for r in reports] == [4, 4]
     assert [r["predicted_hit_share"] for r in reports] == [0.5, 0.5]
-    assert [r["mean_uncached_prompt_tokens"] for r in reports] == [(100 + 100 + 3 + 3) / 4] * 2
+    assert [r["mean_uncached_prompt_tokens"] for r in reports] == [(100 + 100 + 1 + 1) / 4] * 2
 
 
-def test_only_active_ranks_are_chosen_and_a_pinned_request_is_recorded_on_its_rank():
-    router = CacheAwareRouter(ranks=3, interval=0)
-    router.record(2, [5] * 40)
+def test_back_to_back_identical_prompts_spread_until_a_rank_reports_the_checkpoint():
+    # SGLang's start-up warmup: one identical prompt per rank, sent together. Neither rank holds it yet.
+    router = CacheAwareRouter(ranks=2)
+    loads = [0, 0]
+    warmup = [10, 11, 12, 13, 14, 15]
+    assert [send(router, f"warmup{i}", warmup, loads) for i in range(2)] == [0, 1]
+    # Once a rank reports it, the next one goes there.
+    serve(router, 1, "warmup1", warmup, [3])
+    assert router.route([*warmup, 3, 4], [0, 0], [0, 1]) == 1
+
+
+def test_a_ranks_load_counts_the_prompts_sent_since_its_last_figure():
+    router = CacheAwareRouter(ranks=2)
+    figures, taken_at = [0, 0], [100.0, 100.0]
+    first = router.route([1] * 50, router.loads(figures, taken_at), [0, 1])
+    router.sent(first, "a", [1] * 50, when=100.5)
+    # A figure taken before the send (the rank had not read it yet) still counts it.
+    taken_at[first] = 100.4
+    assert router.loads(figures, taken_at)[first] == 50
+    second = router.route([2] * 50, router.loads(figures, taken_at), [0, 1])
+    assert {first, second} == {0, 1}
+    # A figure taken after the send counts it itself.
+    figures[first], taken_at[first] = 30, 101.0
+    assert router.loads(figures, taken_at)[first] == 30
+
+
+def test_a_dropped_checkpoint_and_a_flushed_rank_are_routed_to_no_more():
+    router = CacheAwareRouter(ranks=2)
+    prompt = [4] * 60
+    router.sent(1, "r", prompt, when=0.0)
+    router.apply(Made(1, "r", (30, 59, 60), ()))
+    assert router.route([*prompt, 5], [0, 0], [0, 1]) == 1
+    router.apply(Dropped(1, "r", 60))
+    router.apply(Dropped(1, "r", 59))
+    assert router.indexes[1].longest_checkpointed_prefix([*prompt, 5]) == 30
+    router.apply(Flushed(1))
+    assert router.indexes[1].longest_checkpointed_prefix([*prompt, 5]) == 0
+    assert router.route([*prompt, 5], [0, 0], [0, 1]) == 0
+    # A request reported gone is forgotten: what arrives for it later is not placed.
+    router.apply(Released(1, "r"))
+    router.apply(Made(1, "r", (60,), ()))
+    assert len(router.indexes[1]) == 0
+
+
+def test_the_router_keeps_the_prompts_of_requests_on_their_ranks_within_its_bound():
+    router = CacheAwareRouter(ranks=1, prompt_tokens_kept=100)
+    router.sent(0, "a", [1] * 60, when=0.0)
+    router.sent(0, "b", [2] * 60, when=0.0)  # past the bound: "a", the oldest, is forgotten
+    router.apply(Made(0, "a", (60,), ()))
+    router.apply(Made(0, "b", (60,), ()))
+    assert router.indexes[0].longest_checkpointed_prefix([1] * 61) == 0
+    assert router.indexes[0].longest_checkpointed_prefix([2] * 61) == 60
+    router.apply(Released(0, "b"))
+    router.sent(0, "c", [3] * 90, when=0.0)  # fits once "b" is gone
+    router.apply(Made(0, "c", (89, 90), ()))
+    assert router.indexes[0].longest_checkpointed_prefix([3] * 90 + [5]) == 90
+
+
+def test_only_active_ranks_are_chosen_and_a_pinned_request_is_placed_on_its_rank():
+    router = CacheAwareRouter(ranks=3)
+    router.sent(2, "pinned", [5] * 40, when=0.0)
+    router.apply(Made(2, "pinned", (39, 40), ()))
     assert router.route([5] * 41, [0, 0, 0], [0, 1]) == 0
     assert router.route([5] * 50, [0, 0, 0], [1, 2]) == 2
     # A prompt seen whole resumes a token before its end (SGLang never matches a prompt's last token).
-    assert router.indexes[0].longest_checkpointed_prefix([5] * 41) == 41
-    assert router.route([5] * 41, [0, 5, 5], [0, 1, 2]) == 0
-    assert router.routing[0].uncached_tokens == 41 + 1
+    assert router.route([5] * 40, [5, 5, 0], [0, 1, 2]) == 2
+    router.sent(2, "again", [5] * 40, when=0.0)
+    assert router.routing[2].uncached_tokens == 40 + 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -112,7 +181,7 @@ def test_under_skew_no_ranks_load_exceeds_anothers_by_more_than_the_penalty_allo
     # One long session (each turn resumes the previous and adds long_turn tokens) among many short sessions
     # of a few turns; nothing finishes, so every prompt stays in its rank's queued tokens.
     rng = random.Random(seed)
-    router = CacheAwareRouter(ranks, interval=256, weight=weight)
+    router = CacheAwareRouter(ranks, weight=weight)
     loads = [0] * ranks
     sessions = {"long": [], **{f"short{i}": [] for i in range(shorts)}}
     order = ["long"] * 6 + [name for name in sessions if name != "long" for _ in range(rng.randint(1, 3))]
@@ -121,8 +190,9 @@ def test_under_skew_no_ranks_load_exceeds_anothers_by_more_than_the_penalty_allo
     for name in order:
         added = long_turn if name == "long" else rng.randint(5, 200)
         sessions[name] = prompt = sessions[name] + [rng.randrange(1000) for _ in range(added)]
-        rank = router.route(prompt, loads, list(range(ranks)))
-        loads[rank] += len(prompt)
+        rid = f"{name}/{len(prompt)}"
+        rank = send(router, rid, prompt, loads, active=range(ranks))
+        router.apply(Made(rank, rid, (len(prompt) - 1, len(prompt)), ()))
         longest = max(longest, len(prompt))
         assert max(loads) - min(loads) <= load_spread_bound(longest, weight), (loads, name)
 

@@ -26,12 +26,19 @@ resumes); SGLang evicts token slots (and the checkpoints of the leaves
 it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
 (the manager counts it); a request whose own window slots cannot be had waits or is
 retracted (:mod:`.admission`).
+
+Every checkpoint attached and released is told to the tree's :attr:`V4RadixCache.reports` (by the
+request that made it and its position), and so is each request leaving and a reset: under cache-aware
+DP routing the DP controller's router listens (``sglang_dsv4.routing.rank_reports``); otherwise nobody
+does (:class:`Unreported`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -43,6 +50,32 @@ from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
 from .retention import BY_WORTH, RETENTION_OF, Standing, standing
 from .window_policy import WINDOW_POLICY_OF
+
+
+class CheckpointReports(Protocol):
+    """Who hears what the tree holds: checkpoints made (per ``checkpoint`` call, by position, with the
+    request's tokens past its prompt up to the last) and dropped, requests leaving, the tree reset."""
+
+    def made(self, rid: str, positions: Sequence[int], tokens_past_prompt: Sequence[int]) -> None: ...
+    def dropped(self, rid: str, position: int) -> None: ...
+    def released(self, rid: str) -> None: ...
+    def flushed(self) -> None: ...
+
+
+class Unreported:
+    """Nobody listens."""
+
+    def made(self, rid: str, positions: Sequence[int], tokens_past_prompt: Sequence[int]) -> None:
+        pass
+
+    def dropped(self, rid: str, position: int) -> None:
+        pass
+
+    def released(self, rid: str) -> None:
+        pass
+
+    def flushed(self) -> None:
+        pass
 
 
 class V4RadixCache(RadixCache):
@@ -57,6 +90,8 @@ class V4RadixCache(RadixCache):
     ):
         self.manager = manager
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
+        self.made_by: dict[TreeNode, str] = {}  # the request each checkpoint was made for
+        self.reports: CheckpointReports = Unreported()
         self.checkpoint_interval = checkpoint_interval
         # Requests held back because their window slots did not fit (see .admission).
         self.held_back: Counter[str] = Counter({"admissions_deferred": 0, "decode_retractions": 0})
@@ -101,6 +136,8 @@ class V4RadixCache(RadixCache):
         for checkpoint in self.checkpoints.values():
             self.manager.checkpoints.release(checkpoint)
         self.checkpoints.clear()
+        self.made_by.clear()
+        self.reports.flushed()
         # Checkpoints evicted since, by why they went first (.retention), or with their tokens; and
         # those released when a request resumed past them (per_request).
         self.evictions: Counter[str] = Counter(
@@ -141,8 +178,7 @@ class V4RadixCache(RadixCache):
         req.lock = self.lock(node)
         req.last_node = node
 
-        for snapshot in self.manager.checkpoints.take(row, up_to):
-            self._attach(radix_key, snapshot)
+        made = [self._attach(radix_key, snapshot, req.rid) for snapshot in self.manager.checkpoints.take(row, up_to)]
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
         # all_committed, also keeps every window slot the request held (in aligned mode, unless at
         # a page boundary, that is all it does: the tree holds them until evicted).
@@ -150,7 +186,19 @@ class V4RadixCache(RadixCache):
         if self.prefix_hits.checkpoints_at_calls or commit_all:
             live = self.manager.make_checkpoint(row, up_to, commit_all)
             if live is not None:
-                self._attach(radix_key, live)
+                made.append(self._attach(radix_key, live, req.rid))
+        self._report_made(req, [node for node in made if node is not None])
+
+    def _report_made(self, req, nodes: list[TreeNode]) -> None:
+        """The checkpoints this call made that are still held (making a later one may have evicted an earlier)."""
+        positions = sorted(self.checkpoints[n].position for n in nodes if self.made_by.get(n) == req.rid)
+        if positions:
+            prompt = len(req.origin_input_ids)
+            self.reports.made(req.rid, positions, req.full_untruncated_fill_ids[prompt : positions[-1]].tolist())
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        self.reports.released(req.rid)
 
     def maybe_hand_to_session(self, req) -> None:
         """Right after SGLang gives a request its row: bind the row, resuming at the match."""
@@ -200,7 +248,7 @@ class V4RadixCache(RadixCache):
             return False
         _, _, node = min(candidates)
         self.evictions[standings[node].reason] += 1
-        self.manager.checkpoints.release(self.checkpoints.pop(node))
+        self._release(node)
         return True
 
     def _standings(self) -> dict[TreeNode, Standing]:
@@ -238,7 +286,7 @@ class V4RadixCache(RadixCache):
                 checkpoint.superseded = True
                 if release and not _anchored(node):
                     self.evictions["superseded_at_resume"] += 1
-                    self.manager.checkpoints.release(self.checkpoints.pop(node))
+                    self._release(node)
             node = node.parent
 
     def keep_only_resumed_windows(self) -> bool:
@@ -249,10 +297,9 @@ class V4RadixCache(RadixCache):
         return any(trimmed)
 
     def _delete_leaf(self, node: TreeNode) -> None:
-        checkpoint = self.checkpoints.pop(node, None)
-        if checkpoint is not None:
+        if node in self.checkpoints:
             self.evictions["with_tokens"] += 1
-            self.manager.checkpoints.release(checkpoint)
+            self._release(node)
         self.manager.entry_ownership.release_slots(node.value)
         super()._delete_leaf(node)
 
@@ -275,15 +322,24 @@ class V4RadixCache(RadixCache):
             node = node.parent
         return length
 
-    def _attach(self, radix_key: RadixKey, checkpoint: Checkpoint) -> None:
-        """Hang ``checkpoint`` on the node ending at its position (splitting one if needed)."""
+    def _attach(self, radix_key: RadixKey, checkpoint: Checkpoint, rid: str) -> TreeNode | None:
+        """Hang ``checkpoint``, made for request ``rid``, on the node ending at its position (splitting one if
+        needed): that node, or None when the position was covered already (or is not in the tree)."""
         _, node = self._match_prefix_helper(self.root_node, radix_key[: checkpoint.position])
         if node is self.root_node or self._depth(node) != checkpoint.position or node in self.checkpoints:
-            self.manager.checkpoints.release(checkpoint)  # the position is already covered (or not in the tree)
+            self.manager.checkpoints.release(checkpoint)
             if node in self.checkpoints:
                 self.checkpoints[node].touch()
-            return
+            return None
         self.checkpoints[node] = checkpoint
+        self.made_by[node] = rid
+        return node
+
+    def _release(self, node: TreeNode) -> None:
+        """The checkpoint at ``node`` goes."""
+        checkpoint = self.checkpoints.pop(node)
+        self.manager.checkpoints.release(checkpoint)
+        self.reports.dropped(self.made_by.pop(node), checkpoint.position)
 
     def checkpoint_report(self) -> dict[str, int]:
         """Checkpoints held and the window bytes they keep (slots shared between them counted once)."""

@@ -1,30 +1,18 @@
-"""What the router believes one attention-DP rank holds: the checkpoints it can predict from the
-requests it sent there, in a token-id radix trie bounded in tokens (least recently used go first).
-
-A request of ``P`` prompt tokens leaves, on the rank that serves it (``exact`` prefix hits,
-:mod:`sglang_dsv4.prefix_cache.prefix_hits`), checkpoints at the prompt's end ``P``, one token
-before it ``P - 1`` (where a retry of the same prompt resumes), and every ``interval`` tokens along
-it (:func:`predicted_positions`). The request's end (prompt and output) is a checkpoint too, but
-the router never sees outputs: the next turn of a session still matches its previous prompt's end.
+"""What the router knows one attention-DP rank holds: the checkpoints the rank reported making and not
+yet dropping (:mod:`.rank_reports`), in a token-id radix trie bounded in tokens (least recently used go
+first).
 
 Each checkpoint ends a trie node (an edge is split where one lands), so the longest prefix of a
 prompt that ends at a checkpoint is the deepest checkpoint node the prompt's walk passes whole
-(:meth:`CheckpointIndex.longest_checkpointed_prefix`). The trie holds at most ``max_tokens`` edge
-tokens: past that, the least recently inserted or matched checkpoints are dropped, and with them
-the edges no checkpoint lies below.
+(:meth:`CheckpointIndex.longest_checkpointed_prefix`). A dropped checkpoint unmarks its node
+(:meth:`CheckpointIndex.drop`). The trie holds at most ``max_tokens`` edge tokens: past that, the least
+recently inserted or matched checkpoints are dropped, and with them the edges no checkpoint lies below.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-
-
-def predicted_positions(prompt_tokens: int, interval: int) -> list[int]:
-    """Where a prefill of ``prompt_tokens`` tokens leaves checkpoints: every ``interval`` tokens (0:
-    none), one token before its end and at its end."""
-    every = range(interval, prompt_tokens, interval) if interval > 0 else range(0)
-    return sorted({*every, *(p for p in (prompt_tokens - 1, prompt_tokens) if p >= 1)})
 
 
 class _Node:
@@ -46,16 +34,24 @@ class CheckpointIndex:
     def __len__(self) -> int:
         return len(self._recent)
 
-    def insert(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
-        """Checkpoints at ``positions`` (ascending, each in ``1 .. len(tokens)``) along ``tokens``."""
-        node, depth = self._root, 0
+    def insert(self, tokens: Sequence[int], positions: Sequence[int]) -> list[_Node]:
+        """Checkpoints at ``positions`` (ascending, each in ``1 .. len(tokens)``) along ``tokens``: their
+        nodes, for :meth:`drop` (one the bound dropped at once is dropped already)."""
+        node, depth, nodes = self._root, 0, []
         for position in positions:
             node = self._extend(node, tokens[depth:position])
             depth = position
             node.is_checkpoint = True
             self._recent[node] = None
             self._recent.move_to_end(node)
+            nodes.append(node)
         self._evict()
+        return nodes
+
+    def drop(self, node: _Node) -> None:
+        """The checkpoint at ``node`` is gone (a no-op when the bound dropped it first)."""
+        if self._recent.pop(node, False) is None:
+            self._unmark(node)
 
     def longest_checkpointed_prefix(self, tokens: Sequence[int]) -> int:
         """Tokens in the longest prefix of ``tokens`` that ends at a checkpoint (0: none); marks it used."""
@@ -98,11 +94,15 @@ class CheckpointIndex:
     def _evict(self) -> None:
         while self.tokens > self.max_tokens and self._recent:
             node, _ = self._recent.popitem(last=False)
-            node.is_checkpoint = False
-            while node is not self._root and not node.children and not node.is_checkpoint:
-                del node.parent.children[node.edge[0]]
-                self.tokens -= len(node.edge)
-                node = node.parent
+            self._unmark(node)
+
+    def _unmark(self, node: _Node) -> None:
+        """``node`` ends no checkpoint: it goes, and so do the edges above it no checkpoint lies below."""
+        node.is_checkpoint = False
+        while node is not self._root and not node.children and not node.is_checkpoint:
+            del node.parent.children[node.edge[0]]
+            self.tokens -= len(node.edge)
+            node = node.parent
 
 
 def _common_length(edge: tuple[int, ...], tokens: Sequence[int]) -> int:

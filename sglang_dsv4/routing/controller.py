@@ -5,11 +5,13 @@ table, and its CLI from a fixed list of choices. ``auto`` resolves to it for a V
 attention DP (SGLang's resolution step ``handle_load_balance_method``, :func:`_resolve_auto`), and
 three hooks add the method: the CLI accepts
 its name (:func:`_accept_on_the_command_line`); ``LoadBalanceMethod.from_str`` reads it as
-``total_tokens`` (:func:`_read_as_total_tokens`), so that the controller keeps SGLang's budget of
-each rank's queued and running tokens (its load snapshots, refreshed at most every 20 ms, plus
-the prompts it dispatched since); and after the controller is built its dispatch function is
-replaced by :func:`_dispatch` (:func:`_install_router`). A ``routed_dp_rank`` still wins (SGLang's
-``maybe_external_dp_rank_routing``); every other method is SGLang's, untouched. Before the controller
+``total_tokens`` (:func:`_read_as_total_tokens`), so that the controller reads each rank's load figure
+(queued and running tokens, from SGLang's load snapshots, refreshed at most every 20 ms), to which the
+router adds the prompts sent since the figure was taken; and after the controller is built its dispatch function is
+replaced by :func:`_dispatch` (:func:`_install_router`), which reads the ranks' reports
+(:mod:`.rank_reports`) before each decision. A ``routed_dp_rank`` still wins (SGLang's
+``maybe_external_dp_rank_routing``); every other method is SGLang's, untouched. After a scheduler is built,
+its prefix cache is given the channel's rank end (:func:`_attach_rank_reporter`). Before the controller
 forwards a ``/server_info`` request, the router's figures are written for the ranks to report
 (:mod:`.report`).
 """
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from ..served_config import is_v4_checkpoint
-from ..settings import settings
+from .rank_reports import RankReporter, ReportReader, report_address
 from .report import write_report
 from .router import CacheAwareRouter
 
@@ -35,7 +38,8 @@ _METHOD_FROM_NAME = f"{_CONTROLLER}.LoadBalanceMethod.from_str"
 _CONTROLLER_INIT = f"{_CONTROLLER}.DataParallelController.__init__"
 _CONTROL_MESSAGE = f"{_CONTROLLER}.DataParallelController.send_control_message"
 _CLI_ARGS = "sglang.srt.arg_groups.arg_utils.add_cli_args_from_dataclass"
-ROUTING_HOOKS = (_METHOD_FROM_NAME, _CONTROLLER_INIT, _CONTROL_MESSAGE, _CLI_ARGS)
+_SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+ROUTING_HOOKS = (_METHOD_FROM_NAME, _CONTROLLER_INIT, _CONTROL_MESSAGE, _CLI_ARGS, _SCHEDULER_INIT)
 _FLAG = "--load-balance-method"
 
 
@@ -45,6 +49,7 @@ def register_routing_hooks() -> None:
     HookRegistry.register(_METHOD_FROM_NAME, _read_as_total_tokens, HookType.AROUND)
     HookRegistry.register(_CONTROLLER_INIT, _install_router, HookType.AFTER)
     HookRegistry.register(_CONTROL_MESSAGE, _report_before_server_info, HookType.BEFORE)
+    HookRegistry.register(_SCHEDULER_INIT, _attach_rank_reporter, HookType.AFTER)
 
 
 @functools.cache  # once per process: SGLang keeps every registration, and each wraps the step again
@@ -82,10 +87,26 @@ def _install_router(result, controller, *args, **kwargs) -> None:
 
     if get_parallel().load_balance_method.lower() != METHOD:
         return
-    router = CacheAwareRouter(len(controller.workers), settings().checkpoint_interval)
+    router = CacheAwareRouter(len(controller.workers))
+    reports = ReportReader(report_address(controller.port_args.instance_id))
     controller.dsv4_router = router
-    controller.dispatching = functools.partial(_dispatch, controller, router)
+    controller.dispatching = functools.partial(_dispatch, controller, router, reports)
     logger.info("DP controller routes by %s over %d ranks", METHOD, len(controller.workers))
+
+
+def _attach_rank_reporter(result, scheduler, server_args, port_args) -> None:
+    """Under our method, the prefix cache of each DP rank's first process on the controller's node reports
+    what it holds (every attention-TP rank of a DP rank holds the same)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from ..prefix_cache.tree import V4RadixCache
+
+    parallel = get_parallel()
+    first = parallel.pp_rank == 0 and parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+    ours = parallel.num_dp_ranks > 1 and parallel.load_balance_method.lower() == METHOD
+    if ours and first and parallel.node_rank == 0 and isinstance(scheduler.tree_cache, V4RadixCache):
+        address = report_address(port_args.instance_id)
+        scheduler.tree_cache.reports = RankReporter(address, parallel.dp_rank or 0)
 
 
 def _report_before_server_info(controller, obj) -> None:
@@ -95,21 +116,21 @@ def _report_before_server_info(controller, obj) -> None:
         write_report(controller.dsv4_router.report())
 
 
-def _dispatch(controller, router: CacheAwareRouter, req) -> None:
-    """``req`` to its ``routed_dp_rank``, else to the rank the router chooses; either way the checkpoints its
-    prompt leaves are recorded on its rank, and the rank's budget grows by the prompt as SGLang's
-    ``total_tokens`` grows it."""
+def _dispatch(controller, router: CacheAwareRouter, reports: ReportReader, req) -> None:
+    """``req`` to its ``routed_dp_rank``, else to the rank the router chooses from what the ranks have reported
+    so far and their loads; either way the router notes it sent there."""
     from sglang.srt.managers.io_struct import sock_send
 
+    for report in reports.drain():
+        router.apply(report)
     prompt = req.input_ids or []
     if controller.maybe_external_dp_rank_routing(req):
-        router.record(req.routed_dp_rank, prompt)
+        router.sent(req.routed_dp_rank, req.rid, prompt, time.time())
         return
     active = controller._active_workers
     if not active:
         raise RuntimeError("No active DP workers are available for routing.")
     budget = controller.dp_budget
-    rank = router.route(prompt, budget.total_tokens, active)
-    budget.total_requests[rank] += 1
-    budget.total_tokens[rank] += len(prompt)
+    rank = router.route(prompt, router.loads(budget.total_tokens, budget.last_timestamp), active)
+    router.sent(rank, req.rid, prompt, time.time())
     sock_send(controller.workers[rank], req)

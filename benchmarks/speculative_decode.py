@@ -7,8 +7,8 @@ Two servers of the shipped tiny checkpoint, started the way a user starts them: 
 --speculative-num-draft-tokens 4``. Prompts are the held-out recorded agent sessions, each cut where the
 assistant starts a reply (``mtp_acceptance.held_out_prompts``), so the drafts meet the text the MTP layer
 was trained on. At batch 1 and batch 8 (the first 1 and 8 prompts, sent together), each request decodes
-``--new-tokens`` greedy tokens: decode time is the batch's time minus that of the same batch generating
-one token, the prefix cache flushed before each (so both runs prefill the same tokens). The servers are
+``--new-tokens`` greedy tokens, streamed: a request's decode speed is its tokens after the first over the
+time from its first token to its last, the prefix cache flushed before each batch. The servers are
 measured in turn for ``--rounds`` rounds and each keeps its best (the host is shared: the best round is
 the least disturbed). Prints tokens/s per request for each, the speculative / plain ratio, the mean
 accepted length SGLang reports (tokens a verify step), and checks that both servers' outputs are equal
@@ -45,27 +45,30 @@ MAX_PROMPT = 4096  # the sessions open with about 3K tokens of system prompt and
 SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "40000")
 
 
-def run_batch(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[dict]]:
-    """Seconds for all ``prompts`` to finish ``new_tokens`` greedy tokens, sent together, and the replies."""
+def decode_speed(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[dict]]:
+    """Decode tokens/s per request, the prompts sent together and streamed: each request's tokens after its first
+    over the time from its first token to its last (its prefill and queueing excluded), averaged over the
+    requests; and the replies (output ids, and SGLang's ``meta_info``)."""
 
-    def one(prompt: list[int]) -> dict:
+    def one(prompt: list[int]) -> tuple[float, dict]:
         params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        reply = requests.post(f"{url}/generate", json={"input_ids": prompt, "sampling_params": params}, timeout=1200)
-        reply.raise_for_status()
-        return reply.json()
+        body = {"input_ids": prompt, "sampling_params": params, "stream": True}
+        first = last = None
+        with requests.post(f"{url}/generate", json=body, stream=True, timeout=1200) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                last, chunk = time.perf_counter(), json.loads(line[len(b"data:") :])
+                first = first or last
+        if len(chunk["output_ids"]) != new_tokens:
+            raise AssertionError(f"{len(chunk['output_ids'])} output ids in the last chunk, {new_tokens} asked")
+        return (new_tokens - 1) / (last - first), chunk
 
     requests.post(f"{url}/flush_cache", timeout=60).raise_for_status()
-    started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(one, prompts))
-    return time.perf_counter() - started, replies
-
-
-def decode_speed(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[dict]]:
-    """Decode tokens/s per request (the time beyond a one-token run of the same batch), and the replies."""
-    prefill, _ = run_batch(url, prompts, 1)
-    full, replies = run_batch(url, prompts, new_tokens)
-    return (new_tokens - 1) / (full - prefill), replies
+        speeds, replies = zip(*pool.map(one, prompts), strict=True)
+    return sum(speeds) / len(speeds), list(replies)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,14 +31,9 @@ from train_tiny import REPO
 from transformers import AutoTokenizer
 
 from sglang_dsv4.launch import running_server
+from sglang_dsv4.speculation import SPECULATION
 from sglang_dsv4.tiny import shipped_checkpoint
 
-SPECULATION = (
-    "--speculative-algorithm", "EAGLE",
-    "--speculative-num-steps", "3",
-    "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", "4",
-)  # fmt: skip
 SERVERS = {"plain": (), "EAGLE k=3": SPECULATION}
 BATCHES = (1, 8)
 MAX_PROMPT = 4096  # the sessions open with about 3K tokens of system prompt and tools

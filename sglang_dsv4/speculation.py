@@ -30,6 +30,13 @@ from .platform import on_torch_cpu_platform
 from .served_config import is_v4_checkpoint, served_config
 
 ALGORITHMS = ("EAGLE", "NEXTN")
+# The launch flags of a served chain of three drafts, as the README gives them (the tests and benchmarks use them).
+SPECULATION = (
+    "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
 _EAGLE_FAMILY = "sglang.srt.arg_groups.speculative_hook._handle_eagle_family"
 _VERIFY_RESERVATION = "sglang.srt.mem_cache.allocation.alloc_for_spec_decode"
 _DRAFT_DECODE_BACKEND = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend"

@@ -30,14 +30,9 @@ from sglang_dsv4.config import ConfigError
 from sglang_dsv4.launch import running_server
 from sglang_dsv4.memory_pool.ledger import KVLedger
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
+from sglang_dsv4.speculation import SPECULATION
 from sglang_dsv4.tiny import TINY_CONFIG, shipped_checkpoint
 
-SPECULATION = (
-    "--speculative-algorithm", "EAGLE",
-    "--speculative-num-steps", "3",
-    "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", "4",
-)  # fmt: skip
 PROMPT_LENGTHS = (5, 60, 130, 250)
 NEW_TOKENS = (160, 40, 120, 80)
 # A random config whose MTP layer compresses (ratio 4, with an indexer): its draft state has compressor records.

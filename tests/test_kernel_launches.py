@@ -151,8 +151,9 @@ def test_top_k_fits_at_decode_widths(hopper, width):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
 def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
-    """Every compressor of the config: each ratio's, and the indexer's."""
-    from sglang_dsv4.kernels.compressor import CompressorWeights, compress_decode
+    """Every compressor of the config: each ratio's, and the indexer's; returning its entries, and the served
+    step's one launch writing the entry rows and records too."""
+    from sglang_dsv4.kernels.compressor import CompressorWeights, DecodeRecords, compress_decode, compress_decode_into
 
     config = named_config(model)
     before = len(hopper.compiled)
@@ -170,8 +171,12 @@ def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
         )
         projected = torch.zeros(2, series * dim, dtype=dtype)
         state = torch.zeros(3, 3 if overlapping else 1, 3, dim)
-        compress_decode(projected, projected, torch.tensor([5, 9]), state, torch.tensor([1, 2]), weights)
-    assert_fits(hopper, before, len(kinds))
+        positions, rows = torch.tensor([5, 9]), torch.tensor([1, 2])
+        compress_decode(projected, projected, positions, state, rows, weights)
+        records = DecodeRecords(torch.zeros_like(state), torch.zeros_like(state), torch.tensor([0, 2]))
+        entries = torch.zeros(4, dim, dtype=dtype)
+        compress_decode_into(projected, projected, positions, state, rows, weights, records, entries, rows)
+    assert_fits(hopper, before, 2 * len(kinds))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -199,11 +199,15 @@ def test_chunks_without_tokens_are_refused(kernel):
 
 
 @interpreted_only
+@pytest.mark.parametrize("stored_dtype", [torch.float32, torch.bfloat16], ids=["in_kernel", "encoded_after"])
 @pytest.mark.parametrize("ratio,overlapping", KINDS)
-def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, monkeypatch, ratio, overlapping):
+def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
+    kernel, monkeypatch, ratio, overlapping, stored_dtype
+):
     """The batched core's decode step on CUDA (``batched._advance`` where dispatch chooses the decode kernel)
     writes what its torch pools of any forward (``batched._advance_pooled``) write: entry rows, states, the
-    records one step back, snapshots.
+    records one step back, snapshots. Entries stored in the projections' dtype are written by the kernel
+    itself (``in_kernel``: one launch); stored in another, they are encoded and copied after it.
 
     Requests sit at every kind of position (the first token, inside a block, a block's last token, the
     first after one), two padded rows decode position 0 of row 0, some rows take a snapshot; the
@@ -234,7 +238,7 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, mon
             state[row, 2] = float("nan")  # the block before
     fresh = {"state": state, "previous": torch.randn_like(state), "checkpoint": torch.randn(5, pools, 3, DIM)}
     torch_side = {name: tensor.clone() for name, tensor in fresh.items()}
-    entries = torch.randn(1 + request_rows * blocks, DIM)
+    entries = torch.randn(1 + request_rows * blocks, DIM).to(stored_dtype)
     torch_entries = entries.clone()
     x = torch.randn(len(rows), HIDDEN)
     with torch.no_grad():
@@ -247,11 +251,12 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(kernel, mon
         monkeypatch.setattr(dispatch, "uses_triton", lambda tensor: True)
         batched._advance(compressor, x, index, batched._Rows(entries, stored_as), batched._StateRecords(**fresh))
 
-    def same(actual: torch.Tensor, expected: torch.Tensor, what: str, equal_nan: bool = False) -> None:
+    def same(actual: torch.Tensor, expected: torch.Tensor, what: str, equal_nan: bool = False, tol=1e-5) -> None:
         assert equal_nan or not torch.isnan(actual).any(), f"{what}: NaN (a poisoned pool read, or unwritten)"
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=equal_nan, msg=what)
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, equal_nan=equal_nan, msg=what)
 
-    same(entries[1:], torch_entries[1:], "entry rows")  # row 0: the padding entry
+    rounding = 1e-5 if stored_dtype == torch.float32 else 1e-2  # bf16 rows: one step of rounding either way
+    same(entries[1:], torch_entries[1:], "entry rows", tol=rounding)  # row 0: the padding entry
     same(fresh["state"][1:], torch_side["state"][1:], "states")
     real = rows[rows > 0]
     same(fresh["previous"][real], torch_side["previous"][real], "records one step back", equal_nan=True)

@@ -36,6 +36,7 @@ import torch
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
 from ..kernels.dispatch import (
+    DecodeWrites,
     compress_one_token_each,
     encode_rows,
     fill_decode_index,
@@ -524,29 +525,28 @@ def _advance(compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: 
     compressed entries, or its indexer keys for the indexer's compressor), new states, snapshots.
 
     The record one step back is saved first. A decode forward advances each request by its one token
-    (:func:`_advance_one_token_each`: the Triton decode kernel on CUDA); every other forward pools its
-    blocks in torch (:func:`_advance_pooled`).
+    (:func:`_advance_one_token_each`: the Triton decode kernel on CUDA, which saves it too); every other
+    forward pools its blocks in torch (:func:`_advance_pooled`).
     """
-    records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
     if index.one_token_each:
         _advance_one_token_each(compressor, x, index, out, records)
     else:
+        records.previous.index_copy_(0, index.single_step_rows, records.state[index.rows])
         _advance_pooled(compressor, x, index, out, records)
 
 
 def _advance_one_token_each(
     compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: _Rows, records: _StateRecords
 ) -> None:
-    """:func:`_advance` of a decode forward (:func:`~sglang_dsv4.kernels.dispatch.compress_one_token_each`),
-    which advances the state records in place; the snapshot (the state after the token, the only position a
-    decode row can take one at) is copied after it."""
+    """:func:`_advance` of a decode forward (:func:`~sglang_dsv4.kernels.dispatch.compress_one_token_each`: on CUDA
+    one launch, the records and the entry rows written in it), where every row is a single step and the only
+    snapshot a row can take is the state after its token."""
     targets = index.compressors[compressor.ratio]
-    kv, gate = compressor.wkv(x), compressor.wgate(x)
-    new_entries = compress_one_token_each(
-        compressor, kv, gate, index.positions, records.state, index.rows, targets.blocks
-    )
-    out.rows.index_copy_(0, targets.entry_rows, encode_rows(out.row_format, new_entries))
-    records.checkpoint.index_copy_(0, targets.snapshot_records, records.state[index.rows])
+    writes = DecodeWrites(
+        records.state, index.rows, records.previous, records.checkpoint, targets.snapshot_records,
+        out.rows, out.row_format, targets.entry_rows,
+    )  # fmt: skip
+    compress_one_token_each(compressor, compressor.wkv(x), compressor.wgate(x), index.positions, writes, targets.blocks)
 
 
 def _advance_pooled(

@@ -133,6 +133,9 @@ def _compress_blocks(
     norm_weight_ptr,
     inv_freq_ptr,
     entries_ptr,
+    previous_ptr,
+    checkpoint_ptr,
+    checkpoint_rows_ptr,
     eps,
     DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -140,14 +143,18 @@ def _compress_blocks(
     OVERLAPPING: tl.constexpr,
     BLOCK_TOK: tl.constexpr,
     DECODE: tl.constexpr,
+    ENTRY_ROWS: tl.constexpr,
+    RECORDS: tl.constexpr,
 ):
     """Program (request, block of its chunk): pool the block's new tokens, emit its entry if
     the chunk completes it, and, for the request's last block, write the online state.
 
     ``later`` pools the block's own series (Cb when overlapping), ``earlier`` its Ca half and
     ``previous`` the Ca half of the block before, which this block's entry pools too.
-    ``DECODE``: request ``r`` has one token, projection row ``r`` and entry row ``r`` (zeros when
-    its block is not complete), and its state is updated in place.
+    ``DECODE``: request ``r`` has one token, projection row ``r`` and entry row ``r`` (``ENTRY_ROWS``: entry
+    row ``entry_slots[r]``; zeros when its block is not complete), and its state is updated in place;
+    ``RECORDS``: its state row is also copied whole to ``previous`` (the same row) before the update, and the
+    updated one to checkpoint record ``checkpoint_rows[r]``.
     """
     request, block = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = DIM // 2
@@ -170,6 +177,8 @@ def _compress_blocks(
         first = tl.maximum(start, block_start)
         block_end = tl.minimum(end, block_start + RATIO)
         in_row = tl.load(in_rows_ptr + request)
+        if RECORDS:
+            _copy_row(state_in_ptr, previous_ptr, in_row, in_row, DIM, POOLS)
         continues_partial = (block == 0) & (offset > 0)  # the state's partial block is this one
         later_ptr, later_gate_ptr = kv_ptr + width - DIM, gate_ptr + width - DIM
         later = _pool_tokens(
@@ -186,6 +195,8 @@ def _compress_blocks(
         )
         later = _merge(later, _load_pool(state_in_ptr, in_row, 0, continues_partial, DIM, POOLS))
         entry_pool = later
+        earlier = later  # the disjoint compressor has one series: no Ca half, no block before
+        previous = later
         if OVERLAPPING:
             earlier = _pool_tokens(
                 kv_ptr, gate_ptr, ape_ptr, row_at_zero, block_start, first, block_end, width, HALF, BLOCK_TOK
@@ -211,7 +222,10 @@ def _compress_blocks(
             )
             previous = _merge(previous, _load_pool(state_in_ptr, in_row, 1, (block == 1) & (offset > 0), DIM, POOLS))
             entry_pool = _merge(previous, later)
-        slot = (request if DECODE else tl.load(entry_slots_ptr + request) + block).to(tl.int64)
+        if DECODE and not ENTRY_ROWS:
+            slot = request.to(tl.int64)
+        else:
+            slot = (tl.load(entry_slots_ptr + request) + block).to(tl.int64)
         if block < complete:
             entry = _norm_and_rope(entry_pool, norm_weight_ptr, inv_freq_ptr, block_start, eps, DIM, ROPE_DIM)
             tl.store(entries_ptr + slot * DIM + _pairs(HALF), entry.to(entries_ptr.dtype.element_ty))
@@ -221,12 +235,33 @@ def _compress_blocks(
             if DECODE:
                 tl.debug_barrier()  # every thread has read the state before any overwrites it
             out_row = tl.load(out_rows_ptr + request)
-            empty = _empty_pool(HALF)
             block_done = block < complete
-            _store_pool(state_out_ptr, out_row, 0, _select(block_done, empty, later), DIM, POOLS)
-            if OVERLAPPING:
-                _store_pool(state_out_ptr, out_row, 1, _select(block_done, empty, earlier), DIM, POOLS)
-                _store_pool(state_out_ptr, out_row, 2, _select(block_done, earlier, previous), DIM, POOLS)
+            _store_state(state_out_ptr, out_row, block_done, later, earlier, previous, HALF, OVERLAPPING)
+            if RECORDS:
+                checkpoint_row = tl.load(checkpoint_rows_ptr + request)
+                _store_state(checkpoint_ptr, checkpoint_row, block_done, later, earlier, previous, HALF, OVERLAPPING)
+
+
+@triton.jit
+def _store_state(state_ptr, row, block_done, later, earlier, previous, HALF: tl.constexpr, OVERLAPPING: tl.constexpr):
+    """State row ``row`` after the pooled tokens: the partial block's pools (empty once the block is done) and,
+    overlapping, the last complete block's ``Ca`` half."""
+    DIM: tl.constexpr = 2 * HALF
+    POOLS: tl.constexpr = 3 if OVERLAPPING else 1
+    empty = _empty_pool(HALF)
+    _store_pool(state_ptr, row, 0, _select(block_done, empty, later), DIM, POOLS)
+    if OVERLAPPING:
+        _store_pool(state_ptr, row, 1, _select(block_done, empty, earlier), DIM, POOLS)
+        _store_pool(state_ptr, row, 2, _select(block_done, earlier, previous), DIM, POOLS)
+
+
+@triton.jit
+def _copy_row(source_ptr, target_ptr, source_row, target_row, DIM: tl.constexpr, POOLS: tl.constexpr):
+    """State row ``source_row`` copied whole, every pool and field as stored (read or not), to ``target_row``."""
+    channel = tl.arange(0, DIM)
+    for part in tl.static_range(POOLS * 3):
+        value = tl.load(source_ptr + (source_row.to(tl.int64) * POOLS * 3 + part) * DIM + channel)
+        tl.store(target_ptr + (target_row.to(tl.int64) * POOLS * 3 + part) * DIM + channel, value)
 
 
 @triton.jit
@@ -268,6 +303,17 @@ def _norm_and_rope(pool, norm_weight_ptr, inv_freq_ptr, position, eps, DIM: tl.c
     return tl.where(parity == 0, even * cos - odd * sin, odd * cos + even * sin)
 
 
+@dataclass(frozen=True)
+class DecodeRecords:
+    """The records a decode step keeps beside the state it advances: ``previous`` holds each request's state
+    before its token (at the request's state row), ``checkpoint`` the state after it (at record
+    ``checkpoint_rows[i]``; 0, the padding record, for a request taking no snapshot)."""
+
+    previous: torch.Tensor
+    checkpoint: torch.Tensor
+    checkpoint_rows: torch.Tensor
+
+
 def compress_decode(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -275,21 +321,62 @@ def compress_decode(
     state: torch.Tensor,
     state_rows: torch.Tensor,
     weights: CompressorWeights,
+    records: DecodeRecords | None = None,
 ) -> torch.Tensor:
-    """One new token per request: advance each request's online state in place.
+    """One new token per request: advance each request's online state in place (and write ``records``).
 
     ``kv``, ``gate`` ``[requests, series * dim]`` (the projections, ``gate`` without ``ape``);
     ``positions`` the tokens' positions; ``state`` ``[rows, pools, 3, dim]`` float32 and
     ``state_rows`` each request's row in it. Returns ``[requests, dim]``: the entry of a
     request whose token ends a block, zeros for the others. No host synchronisation.
     """
-    requests = kv.shape[0]
-    entries = kv.new_empty((requests, weights.dim))
-    if requests == 0:
-        return entries
-    unused = positions  # decode reads no chunk or entry offsets
-    _launch(kv, gate, positions, unused, unused, state, state_rows, state, state_rows, weights, entries, 1, True)
+    entries = kv.new_empty((kv.shape[0], weights.dim))
+    unused = positions  # decode reads no chunk offsets; its entry row is the request's
+    _launch_decode(kv, gate, positions, state, state_rows, weights, records, entries, unused, entry_rows=False)
     return entries
+
+
+def compress_decode_into(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    state: torch.Tensor,
+    state_rows: torch.Tensor,
+    weights: CompressorWeights,
+    records: DecodeRecords,
+    entries: torch.Tensor,
+    entry_rows: torch.Tensor,
+) -> None:
+    """:func:`compress_decode` with each request's entry written to ``entries[entry_rows[i]]`` (the pool's rows,
+    in their dtype; zeros where the token ends no block, so ``entry_rows[i]`` is then the padding row 0):
+    the whole decode step of a compressor in one launch."""
+    _launch_decode(kv, gate, positions, state, state_rows, weights, records, entries, entry_rows, entry_rows=True)
+
+
+def _launch_decode(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    state: torch.Tensor,
+    state_rows: torch.Tensor,
+    weights: CompressorWeights,
+    records: DecodeRecords | None,
+    entries: torch.Tensor,
+    entry_slots: torch.Tensor,
+    *,
+    entry_rows: bool,
+) -> None:
+    if kv.shape[0] == 0:
+        return
+    if records is not None and not all(
+        r.dtype == state.dtype and r.shape[1:] == state.shape[1:] for r in (records.previous, records.checkpoint)
+    ):
+        raise ValueError(f"compressor records must be rows like the state's, {state.dtype} [*, {tuple(state.shape[1:])}]")
+    kept = records or DecodeRecords(state, state, state_rows)  # not written without records
+    _launch(
+        kv, gate, positions, positions, entry_slots, state, state_rows, state, state_rows, weights, entries, 1, True,
+        kept, entry_rows=entry_rows, keep_records=records is not None,
+    )  # fmt: skip
 
 
 def compress_extend(
@@ -323,9 +410,10 @@ def compress_extend(
     offsets = offsets.to(kv.device, non_blocking=True)
     starts_at, rows_at, slots_at, snapshot_rows = offsets.split([requests, requests + 1, requests, requests])
     snapshot = state[state_rows]  # blocks of one request read the state while its last block rewrites it
+    unkept = DecodeRecords(state, state, state_rows)  # extend keeps its records in torch
     _launch(
         kv, gate, starts_at, rows_at, slots_at, snapshot, snapshot_rows, state, state_rows, weights, entries,
-        max(blocks), False,
+        max(blocks), False, unkept, entry_rows=True, keep_records=False,
     )  # fmt: skip
     return entries
 
@@ -344,6 +432,10 @@ def _launch(
     entries: torch.Tensor,
     max_blocks: int,
     decode: bool,
+    records: DecodeRecords,
+    *,
+    entry_rows: bool,
+    keep_records: bool,
 ) -> None:
     dim, series = weights.dim, 2 if weights.overlapping else 1
     if kv.shape[-1] != series * dim or gate.shape != kv.shape:
@@ -366,6 +458,9 @@ def _launch(
         weights.norm_weight.contiguous(),
         weights.inv_freq,
         entries,
+        records.previous,
+        records.checkpoint,
+        records.checkpoint_rows,
         weights.norm_eps,
         DIM=dim,
         ROPE_DIM=2 * weights.inv_freq.shape[0],
@@ -373,4 +468,6 @@ def _launch(
         OVERLAPPING=weights.overlapping,
         BLOCK_TOK=1 if decode else min(weights.ratio, MAX_POOLED_TOKENS),
         DECODE=decode,
+        ENTRY_ROWS=entry_rows,
+        RECORDS=keep_records,
     )

@@ -12,12 +12,13 @@ hosts never need them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from . import sparse_torch
-from .kv_format import Fp8EntryRows, Fp8KeyRows, RowFormat
+from .kv_format import Fp8EntryRows, Fp8KeyRows, PlainRows, RowFormat
 from .selection import KVSelection
 
 
@@ -136,24 +137,52 @@ def compress_chunk(
     return compressor.pool_chunk(kv, gate, start, record)
 
 
+@dataclass(frozen=True)
+class DecodeWrites:
+    """Where a decode step of one compressor writes: its state records ``state[rows]``, advanced in place, the
+    records one step back ``previous[rows]`` (the state before the token), the snapshots
+    ``checkpoint[checkpoint_records]`` (the state after it; record 0 is the padding record) and each request's
+    entry, ``entries[entry_rows]`` stored as ``entry_format`` (row 0, the padding row, where its token ends no
+    block)."""
+
+    state: torch.Tensor
+    rows: torch.Tensor
+    previous: torch.Tensor
+    checkpoint: torch.Tensor
+    checkpoint_records: torch.Tensor
+    entries: torch.Tensor
+    entry_format: RowFormat
+    entry_rows: torch.Tensor
+
+
 def compress_one_token_each(
     compressor: Compressor,
     kv: torch.Tensor,
     gate: torch.Tensor,
     positions: torch.Tensor,
-    records: torch.Tensor,
-    rows: torch.Tensor,
+    writes: DecodeWrites,
     targets: Any,
-) -> torch.Tensor:
-    """One token per request at ``positions`` (projections ``[requests, series * dim]``), the state
-    records ``records[rows]`` (the V4 pool's ``[rows, pools, 3, dim]``) advanced in place: each request's
-    entry, unused where its token does not complete a block. The Triton decode kernel (graph-capturable),
-    or :meth:`Compressor.pool_one_token_each` over the forward's ``targets``."""
+) -> None:
+    """One token per request at ``positions`` (projections ``[requests, series * dim]``): everything ``writes``
+    names. The Triton decode kernel (graph-capturable; one launch where the entries are stored as it computes
+    them, in the projections' dtype, else their encode and copy after it), or
+    :meth:`Compressor.pool_one_token_each` over the forward's ``targets`` and the copies in torch."""
     if uses_triton(kv):
-        from .compressor import compress_decode
+        from .compressor import DecodeRecords, compress_decode, compress_decode_into
 
-        return compress_decode(kv, gate, positions, records, rows, _compressor_weights(compressor, kv))
-    return compressor.pool_one_token_each(kv, gate, targets, records, rows)
+        weights = _compressor_weights(compressor, kv)
+        records = DecodeRecords(writes.previous, writes.checkpoint, writes.checkpoint_records)
+        if isinstance(writes.entry_format, PlainRows) and writes.entry_format.dtype == kv.dtype:
+            compress_decode_into(
+                kv, gate, positions, writes.state, writes.rows, weights, records, writes.entries, writes.entry_rows
+            )
+            return
+        new_entries = compress_decode(kv, gate, positions, writes.state, writes.rows, weights, records)
+    else:
+        writes.previous.index_copy_(0, writes.rows, writes.state[writes.rows])
+        new_entries = compressor.pool_one_token_each(kv, gate, targets, writes.state, writes.rows)
+        writes.checkpoint.index_copy_(0, writes.checkpoint_records, writes.state[writes.rows])
+    writes.entries.index_copy_(0, writes.entry_rows, encode_rows(writes.entry_format, new_entries))
 
 
 def _compressor_weights(compressor: Compressor, x: torch.Tensor):

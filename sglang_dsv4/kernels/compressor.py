@@ -371,7 +371,7 @@ def _launch_decode(
     if records is not None and not all(
         r.dtype == state.dtype and r.shape[1:] == state.shape[1:] for r in (records.previous, records.checkpoint)
     ):
-        raise ValueError(f"compressor records must be rows like the state's, {state.dtype} [*, {tuple(state.shape[1:])}]")
+        raise ValueError(f"compressor records need the state's rows: {state.dtype} [*, {tuple(state.shape[1:])}]")
     kept = records or DecodeRecords(state, state, state_rows)  # not written without records
     _launch(
         kv, gate, positions, positions, entry_slots, state, state_rows, state, state_rows, weights, entries, 1, True,

@@ -108,13 +108,16 @@ class WindowIndex:
     """The sliding window's rows of one forward (the same in every layer).
 
     A layer stages its keys as ``cat(new kv [tokens], pool rows previous_slots)``: the
-    chunk's own tokens, then each request's ``window - 1`` tokens before its chunk.
+    chunk's own tokens, then each request's ``window - 1`` tokens before its chunk. A decode
+    forward (one token a request) stages nothing: its tokens' rows are written to their slots
+    first and every key is read from the pool where it lies, ``slots``.
     """
 
     write_slots: torch.Tensor  # [tokens]: each new token's window slot (0: the row keeps none)
     previous_slots: torch.Tensor  # [requests * (window - 1)]
     indices: torch.Tensor  # [tokens, window] int32 into the staged keys
     lengths: torch.Tensor  # [tokens] int32
+    slots: torch.Tensor | None  # [tokens, window] int32: each key's window slot (0 past its length); decode only
 
 
 @dataclass(frozen=True)
@@ -374,7 +377,7 @@ def _index(
         token_request=batch.token_request,
         rows=batch.rows,
         single_step_rows=torch.where(batch.lengths == 1, batch.rows, 0),
-        window=_window_index(batch, tables.window_table, config.sliding_window),
+        window=_window_index(batch, tables.window_table, config.sliding_window, one_token_each=one_token_each),
         compressors={r: _compressor_targets(batch, tables.entry_table[r], r, sizes[r]) for r in ratios},
         entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
         tile_owners=tile_owners,
@@ -391,7 +394,7 @@ def _tile_owners(token_request: list[int]) -> list[int]:
     return [tile[0] if tile[0] == tile[-1] else -1 for tile in tiles]
 
 
-def _window_index(batch: _Batch, window_table: torch.Tensor, window: int) -> WindowIndex:
+def _window_index(batch: _Batch, window_table: torch.Tensor, window: int, *, one_token_each: bool) -> WindowIndex:
     tokens, before = len(batch.positions), window - 1
     request, position = batch.token_request, batch.positions
     device = position.device
@@ -407,8 +410,13 @@ def _window_index(batch: _Batch, window_table: torch.Tensor, window: int) -> Win
         batch.token_of(request[:, None], keys),
         tokens + request[:, None] * before + keys - (batch.starts[request, None] - before),
     )
-    staged = torch.where(torch.arange(window, device=device) < lengths[:, None], staged, 0)
-    return WindowIndex(write_slots, previous.flatten(), staged.to(torch.int32), lengths.to(torch.int32))
+    read = torch.arange(window, device=device) < lengths[:, None]
+    staged = torch.where(read, staged, 0)
+    slots = None
+    if one_token_each:
+        slots = torch.where(read, window_table[batch.rows[request, None], keys.clamp(max=position[:, None])], 0)
+        slots = slots.to(torch.int32)
+    return WindowIndex(write_slots, previous.flatten(), staged.to(torch.int32), lengths.to(torch.int32), slots)
 
 
 def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int, sizes: _Sizes) -> CompressorTargets:
@@ -461,11 +469,15 @@ def attend(
     # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
     # stored rows, which the attention decodes where it reads them.
     stored = encode_rows(formats.entries, kv)
-    staged = torch.cat([stored, window_rows[index.window.previous_slots]])
-    window_rows.index_copy_(0, index.window.write_slots, stored)
-    window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
+    if index.window.slots is None:
+        staged = torch.cat([stored, window_rows[index.window.previous_slots]])
+        window_rows.index_copy_(0, index.window.write_slots, stored)
+        window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
+    else:  # a decode forward reads every key where it lies, its own after it is written
+        window_rows.index_copy_(0, index.window.write_slots, stored)
+        window = KVSelection(window_rows, index.window.slots, index.window.lengths, formats.entries)
     no_entries = index.window.indices[:, :0], torch.zeros_like(index.window.lengths)
-    compressed = KVSelection(staged, *no_entries, formats.entries)
+    compressed = KVSelection(window.pool, *no_entries, formats.entries)
     if attention.compressor is not None:
         entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
         reads = index.entries[attention.compressor.ratio]

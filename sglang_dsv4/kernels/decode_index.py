@@ -9,7 +9,8 @@ position ``p = seq_lens[i] - 1`` and checkpoints into the record its pending tab
   ``rows``, ``single_step_rows``) and the sliding window's: the slot it writes, ``window_table[row, p]``; the
   ``window - 1`` slots before it, ``window_table[row, p - window + 1 + j]`` (0 before position 0), staged after
   the batch's own tokens; the staged index of each of its ``min(p + 1, window)`` keys (its own token is staged
-  row ``i``, earlier ones ``n + i (window - 1) + j``).
+  row ``i``, earlier ones ``n + i (window - 1) + j``), and its window slot ``window_table[row, p - length + 1 + j]``
+  (0 past the length), by which a decode forward reads it from the pool.
 * :func:`fill_ratio_index` (one program per request, per compressor ratio ``r``): its two compressor targets,
   the block it touches (position ``p``, entry row ``entry_table[row, p // r]`` when ``p + 1`` ends the block) and
   its snapshot at ``s`` (the pooled position ``max(p, r (s // r))``, empty when ``s`` starts a block), and the
@@ -34,7 +35,7 @@ def fill_window_index(
     window: int,
 ) -> None:
     """Write the token fields and the window's (``out``: ``positions``, ``token_request``, ``rows``,
-    ``single_step_rows``, ``write_slots``, ``previous_slots``, ``indices``, ``lengths``)."""
+    ``single_step_rows``, ``write_slots``, ``previous_slots``, ``indices``, ``lengths``, ``slots``)."""
     requests = rows.shape[0]
     if requests == 0:
         return
@@ -42,6 +43,7 @@ def fill_window_index(
         rows, seq_lens, window_table, window_table.stride(0), requests,
         out["positions"], out["token_request"], out["rows"], out["single_step_rows"],
         out["write_slots"], out["previous_slots"], out["indices"], out["indices"].stride(0), out["lengths"],
+        out["slots"], out["slots"].stride(0),
         WINDOW=window, BLOCK=triton.next_power_of_2(window), num_warps=1,
     )  # fmt: skip
 
@@ -79,7 +81,7 @@ def fill_ratio_index(
 def _window_kernel(
     rows_ptr, seq_lens_ptr, window_table_ptr, window_table_stride, requests,
     positions_ptr, token_request_ptr, rows_out_ptr, single_step_rows_ptr,
-    write_slots_ptr, previous_slots_ptr, indices_ptr, indices_stride, lengths_ptr,
+    write_slots_ptr, previous_slots_ptr, indices_ptr, indices_stride, lengths_ptr, slots_ptr, slots_stride,
     WINDOW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
@@ -101,6 +103,8 @@ def _window_kernel(
     staged = tl.where(keys >= position, i, requests + i * (WINDOW - 1) + keys - (position - (WINDOW - 1)))
     staged = tl.where(j < length, staged, 0)
     tl.store(indices_ptr + i * indices_stride + j, staged.to(tl.int32), mask=j < WINDOW)
+    key_slots = tl.load(table_row + tl.minimum(keys, position), mask=j < length, other=0)
+    tl.store(slots_ptr + i * slots_stride + j, key_slots.to(tl.int32), mask=j < WINDOW)
     tl.store(lengths_ptr + i, length.to(tl.int32))
 
 

@@ -179,6 +179,18 @@ def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 2 * len(kinds))
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_chosen_entry_rows_fit(hopper, model):
+    """The indexer's choice mapped to entry rows (integers only: no dtype to vary) at the config's top-k."""
+    from sglang_dsv4.kernels.chosen_rows import chosen_entry_rows
+
+    config = named_config(model)
+    before = len(hopper.compiled)
+    table = torch.zeros(3, 8193, dtype=torch.int64)
+    chosen_entry_rows(table, torch.tensor([1, 2]), torch.zeros(2, config.index_topk, dtype=torch.int64))
+    assert_fits(hopper, before, 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
 def test_mhc_fits_in_every_dtype(hopper, model, dtype):

@@ -37,6 +37,7 @@ from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
 from ..kernels.dispatch import (
     DecodeWrites,
+    chosen_entry_rows,
     compress_one_token_each,
     encode_rows,
     fill_decode_index,
@@ -488,9 +489,8 @@ def attend(
             keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
             _advance(attention.indexer.compressor, x, index, keys, _records(storage, (layer, "indexer")))
             chosen = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
-            rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)]
-            selected = (chosen >= 0).sum(-1, dtype=torch.int32)
-            compressed = KVSelection(entries.rows, rows.to(torch.int32), selected, entries.row_format)
+            rows, selected = chosen_entry_rows(reads.table, index.token_request, chosen)
+            compressed = KVSelection(entries.rows, rows, selected, entries.row_format)
     sink = attention.attn_sink[heads].float()
     return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
 

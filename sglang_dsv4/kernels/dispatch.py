@@ -344,6 +344,19 @@ def index_top_k(
     )  # fmt: skip
 
 
+def chosen_entry_rows(
+    table: torch.Tensor, table_row: torch.Tensor, chosen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry rows of each token's chosen blocks, ``table[table_row[t], chosen[t, j]]`` ``[tokens, k]`` int32
+    (``chosen`` best first, then -1; rows past the choice are never read), and how many it chose ``[tokens]``
+    int32: one Triton launch (:mod:`.chosen_rows`), or :func:`.sparse_torch.chosen_entry_rows`."""
+    if uses_triton(chosen):
+        from .chosen_rows import chosen_entry_rows as in_triton
+
+        return in_triton(table, table_row, chosen)
+    return sparse_torch.chosen_entry_rows(table, table_row, chosen)
+
+
 def index_top_k_triton(
     q: torch.Tensor,
     head_weights: torch.Tensor,
@@ -369,6 +382,8 @@ def index_top_k_triton(
             q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table, keys_format=keys_format
         )
         chosen.append(exact_top_k(scores, lengths[tile], k).long())
+    if len(chosen) == 1:
+        return chosen[0]  # one tile: no copy
     return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
 
 

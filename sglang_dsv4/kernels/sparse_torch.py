@@ -86,6 +86,15 @@ def _fold(
     return new_peak, total, acc
 
 
+def chosen_entry_rows(
+    table: torch.Tensor, table_row: torch.Tensor, chosen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry rows of each token's chosen blocks, ``table[table_row[t], chosen[t, j]]`` int32 (``chosen`` best
+    first, then -1; past the choice ``table[table_row[t], 0]``, never read), and how many it chose, int32."""
+    rows = table[table_row[:, None], chosen.clamp(min=0)].to(torch.int32)
+    return rows, (chosen >= 0).sum(-1, dtype=torch.int32)
+
+
 def streamed_top_k(
     q: torch.Tensor,
     head_weights: torch.Tensor,

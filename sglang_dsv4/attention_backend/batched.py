@@ -5,7 +5,7 @@ It computes what the torch reference backend computes request by request (and th
 
 * the new tokens' raw KV goes to their window slots; a token attends to the last
   ``sliding_window`` tokens, the ones before its chunk read from the pool, the chunk's own
-  from the forward;
+  from the forward (a decode forward's own token from the pool too, written there first);
 * each compressor pools the blocks the forward touches (:class:`CompressorTargets`): a
   block's new tokens, merged with the request's online state where the chunk continues a
   partial block; complete blocks write their entry (and indexer key) rows; the state after

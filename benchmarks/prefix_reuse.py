@@ -101,7 +101,8 @@ def replay_session(
             "stream": True,
         }
         start, first, meta, output = time.perf_counter(), None, {}, []
-        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as response:
+        # A request may wait behind every other session's turn (one request row, a loaded host): no read timeout.
+        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=(30, None)) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":

@@ -547,3 +547,25 @@ def test_a_checkpoint_a_request_holds_its_lock_on_is_never_evicted(tiny_model, r
     assert tree.checkpoint_report()["checkpoints_by_state"]["locked"] == {"count": 1, "window_bytes": window_bytes}
     tree.unlock(lock)
     assert tree.evict_one_checkpoint() and not tree.checkpoints
+
+
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_the_report_counts_checkpoints_by_state_with_the_window_bytes_they_hold(tiny_model, window_policy):
+    """Issue 29, what ``/server_info`` serves (``dsv4_prefix_cache``): the checkpoints each turn resumed past
+    are superseded; per_request releases them as it resumes (counted by why they went), all_committed keeps
+    them, to go first, and reports them with their window bytes. No request holds one once every turn ended."""
+    rng = random.Random(11)
+    scheduler = Scheduler(tiny_model.config, rng)
+    tree = scheduler.tree
+    tree.set_modes(window_policy=window_policy)
+    history: list[int] = []
+    for _ in range(3):
+        _, history = run_turn(scheduler, history + [rng.randrange(1024) for _ in range(30)], new_tokens=3)
+    report = tree.checkpoint_report()
+    by_state, released = report["checkpoints_by_state"], report["checkpoint_evictions"]["superseded_at_resume"]
+    assert sum(state["count"] for state in by_state.values()) == report["checkpoints"]
+    assert by_state["locked"] == {"count": 0, "window_bytes": 0} and by_state["live"]["window_bytes"] > 0
+    if window_policy == "per_request":
+        assert by_state["superseded"] == {"count": 0, "window_bytes": 0} and released > 0
+    else:
+        assert by_state["superseded"]["count"] > 0 and by_state["superseded"]["window_bytes"] > 0 and released == 0

@@ -21,6 +21,7 @@ against all_committed with room for everything, and prefill under the rule again
 (``dsv4_checkpoint_retention``) with too few request rows for the sessions' checkpoints.
 
     python benchmarks/prefix_reuse.py --full-length --sessions 3 [--turns 24] [--pressure-turns 10]
+    python benchmarks/prefix_reuse.py --full-length --sessions 3 --pressure-only --pressure-rows 1 --pressure-turns 6
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class ModeResult:
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)  # per session, per turn
+    cached_per_turn: dict[str, list[int]] = field(default_factory=dict)  # per session, per turn
     window_bytes_per_session: float = 0.0
 
     @property
@@ -99,7 +101,8 @@ def replay_session(
             "stream": True,
         }
         start, first, meta, output = time.perf_counter(), None, {}, []
-        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as response:
+        # A request may wait behind every other session's turn (one request row, a loaded host): no read timeout.
+        with requests.post(f"{url}/generate", json=payload, stream=True, timeout=(30, None)) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
@@ -111,6 +114,7 @@ def replay_session(
         result.cached_tokens += meta["cached_tokens"]
         result.ttfts.append(first - start)
         result.outputs.setdefault(trajectory.name, []).append(output)
+        result.cached_per_turn.setdefault(trajectory.name, []).append(meta["cached_tokens"])
         history = history + output
         if keep_recorded_replies and turn.recorded_reply is not None:
             history = history + render(tokenizer, (turn.recorded_reply,))
@@ -219,6 +223,8 @@ def run_row(run: FullLengthRun) -> dict:
         "window_bytes": run.window_bytes, "checkpoints": state["checkpoints"],
         "by_state": state["checkpoints_by_state"], "evictions": state["checkpoint_evictions"],
         "skipped": state["checkpoints_skipped"], "seconds": round(run.seconds),
+        "turns_from_zero": sum(cached == 0 for turns in r.cached_per_turn.values() for cached in turns),
+        "cached_per_turn": r.cached_per_turn,
     }  # fmt: skip
 
 
@@ -245,20 +251,10 @@ def full_length_table(runs: list[FullLengthRun], base: FullLengthRun) -> str:
     return "\n".join(lines)
 
 
-def full_length(args: argparse.Namespace, work: Path, model: Path, tokenizer, slot_bytes: int) -> list[str]:
-    """(a) No pressure: window bytes kept under per_request against all_committed's. (b) The pool below
-    the sessions' working set (``--pressure-rows`` request rows, so their window slots and records):
-    prefill under the retention rule against plain LRU."""
-    sessions = full_length_sessions(tokenizer, args.sessions, args.max_history, args.turns)
-    pressure_sessions = [first_turns(t, args.pressure_turns or len(t.turns)) for t in sessions]
-    turns = sum(len(t.turns) for t in sessions)
-    report = [
-        f"Full length: the {len(sessions)} recorded sessions with the most turns under {args.max_history:,}-token"
-        f" histories ({turns} turns, {turns - len(sessions)} resumed; {', '.join(t.name for t in sessions)}),"
-        f" {args.concurrency} at a time; every message whole, each turn decodes min(recorded, 4) tokens and the"
-        " history then carries the recorded reply; tiny V4 on this CPU, float32; cache flushed between runs."
-    ]
-    print(report[0], flush=True)
+def full_length_room(args: argparse.Namespace, work: Path, model: Path, tokenizer, slot_bytes: int,
+                     sessions: list[Trajectory], report: list[str]) -> list[FullLengthRun]:  # fmt: skip
+    """(a) With room for everything: window bytes kept under per_request against all_committed's (its runs;
+    its table appended to ``report``)."""
     room = ("--max-total-tokens", str(args.full_tokens), "--max-running-requests", str(args.room_rows))
     with running_server(model, "--dtype", "float32", *room, log_path=work / "server-room.log") as url:
         per_request, committed = [
@@ -269,21 +265,39 @@ def full_length(args: argparse.Namespace, work: Path, model: Path, tokenizer, sl
     room_table = full_length_table([committed, per_request], committed)
     report.append(f"### no pressure ({args.room_rows} request rows, {args.full_tokens:,} token slots)\n\n{room_table}")
     print(report[-1], flush=True)
+    return [per_request, committed]
+
+
+def full_length(args: argparse.Namespace, work: Path, model: Path, tokenizer, slot_bytes: int) -> list[str]:
+    """(a) No pressure: window bytes kept under per_request against all_committed's. (b) The pool below
+    the sessions' working set (``--pressure-rows`` request rows, so their window slots and records):
+    prefill under the retention rule against plain LRU. ``--pressure-only``: (b) alone."""
+    sessions = full_length_sessions(tokenizer, args.sessions, args.max_history, args.turns)
+    pressure_sessions = [first_turns(t, args.pressure_turns or len(t.turns)) for t in sessions]
+    turns = sum(len(t.turns) for t in sessions)
+    report = [
+        f"Full length: the {len(sessions)} recorded sessions with the most turns under {args.max_history:,}-token"
+        f" histories ({turns} turns, {turns - len(sessions)} resumed; {', '.join(t.name for t in sessions)}),"
+        f" {args.concurrency} at a time; every message whole, each turn decodes min(recorded, 4) tokens and the"
+        " history then carries the recorded reply; tiny V4 on this CPU, float32; cache flushed between runs."
+    ]
+    print(report[0], flush=True)
+    runs = [] if args.pressure_only else full_length_room(args, work, model, tokenizer, slot_bytes, sessions, report)
     pressure = ("--max-total-tokens", str(args.full_tokens), "--max-running-requests", str(args.pressure_rows))
     with running_server(model, "--dtype", "float32", *pressure, log_path=work / "server-pressure.log") as url:
-        runs = [
+        pressure_runs = [
             full_length_run(url, tokenizer, pressure_sessions, args.concurrency, slot_bytes,
                             f"exact + per_request, {name}", prefix_hits="exact", window_policy="per_request",
                             checkpoint_retention=retention)
             for name, retention in (("plain LRU", "lru"), ("by worth", "worth"))
         ]  # fmt: skip
-    lru, worth = runs
+    lru, worth = pressure_runs
     pressure_table = full_length_table([lru, worth], lru)
     pressure_turns = sum(len(t.turns) for t in pressure_sessions)
     heading = f"### pool below the working set ({args.pressure_rows} request rows, {pressure_turns} turns)"
     report.append(f"{heading}\n\n{pressure_table}")
     print(report[-1], flush=True)
-    runs = [per_request, committed, lru, worth]
+    runs += pressure_runs
     (work / "full_length.json").write_text(json.dumps({run.name: run_row(run) for run in runs}, indent=1))
     return report
 
@@ -300,6 +314,7 @@ def main() -> None:
     parser.add_argument("--room-rows", type=int, default=512, help="full length: request rows with no pressure")
     parser.add_argument("--pressure-rows", type=int, default=2, help="full length: request rows under pressure")
     parser.add_argument("--pressure-turns", type=int, default=None, help="full length: turns a session under pressure")
+    parser.add_argument("--pressure-only", action="store_true", help="full length: only the runs under pressure")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="prefix-reuse-"))

@@ -400,3 +400,172 @@ def test_the_routers_index_from_the_trees_reports_holds_exactly_the_trees_checkp
     assert scheduler.tree.evictions.total() > 0 and len(prefixes) > 0
     scheduler.tree.reset()
     assert len(router.indexes[0]) == 0
+
+
+@dataclass
+class Turn:
+    session: int
+    req: Request
+    new_tokens: int  # tokens it decodes
+
+
+class ConcurrentSessions:
+    """Sessions whose turns run side by side, driven in SGLang's order of calls each scheduling step: a
+    prefill batch admitted (each request matched, checked for window slots, locked, given token slots, in
+    turn), its rows reserved and handed to their sessions, its prompts checkpointed; a decode step of every
+    running request; the requests done checkpointed at their ends and released. A session's next turn is
+    queued once its last one ended. Every turn must resume at its session's last request's end."""
+
+    def __init__(self, scheduler: Scheduler, sessions: int, turns: int):
+        self.scheduler, self.tree, self.rng = scheduler, scheduler.tree, scheduler.rng
+        self.histories: list[list[int]] = [[] for _ in range(sessions)]
+        self.turns_left = [turns] * sessions
+        self.waiting = list(range(sessions))
+        self.running: list[Turn] = []
+        self.lost: list[tuple[int, int, int]] = []  # (session, matched, its last end) of each turn that lost it
+
+    def run(self) -> None:
+        while self.waiting or self.running:
+            self.prefill_batch()
+            self.decode_step()
+            for turn in [t for t in self.running if len(t.req.full_untruncated_fill_ids) > t.new_tokens
+                         + len(t.req.origin_input_ids)]:  # fmt: skip
+                self.finish(turn)
+            self.scheduler.running = [t.req for t in self.running]  # what check() counts as held by requests
+            check(self.scheduler)
+
+    def prefill_batch(self) -> None:
+        scheduler, tree = self.scheduler, self.tree
+        batch: list[Turn] = []
+        for session in list(self.waiting)[: scheduler.rows.available_size()]:
+            prompt = self.histories[session] + [self.rng.randrange(1024) for _ in range(self.rng.randrange(10, 40))]
+            match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:-1]))))
+            scheduler.count += 1
+            req = Request(scheduler.count, array("q", prompt + [0]), array("q", prompt), match.device_prefix_len)
+            req.last_node = match.last_device_node
+            need = sum(tree.window_slots_for_forward(len(t.req.origin_input_ids) - t.req.prefix_len) for t in batch)
+            need += tree.window_slots_for_forward(len(prompt) - req.prefix_len)
+            if not tree.room_for_windows(need, req.last_node) or not scheduler._make_room(len(prompt) - req.prefix_len):
+                break
+            req.lock = tree.lock(req.last_node)
+            req.kv.req_pool_idx = scheduler.rows.alloc_rows(1)[0]
+            batch.append(Turn(session, req, self.rng.randrange(1, 6)))
+            self.waiting.remove(session)
+            if match.device_prefix_len != len(self.histories[session]):
+                self.lost.append((session, match.device_prefix_len, len(self.histories[session])))
+        rows, slots = scheduler.rows, scheduler.slots
+        for turn in batch:
+            req, prompt = turn.req, len(turn.req.origin_input_ids)
+            row = req.kv.req_pool_idx
+            rows.req_to_token[row, : req.prefix_len] = tree.prefix_device_indices(req).to(torch.int32)
+            rows.req_to_token[row, req.prefix_len : prompt] = slots.alloc(prompt - req.prefix_len).to(torch.int32)
+            req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, prompt
+        for turn in batch:
+            tree.maybe_hand_to_session(turn.req)
+        for turn in batch:
+            tree.checkpoint(turn.req, up_to=len(turn.req.origin_input_ids))
+        self.running += batch
+
+    def decode_step(self) -> None:
+        scheduler, rows = self.scheduler, self.scheduler.rows
+        decoding = [t for t in self.running if t.req.kv.kv_allocated_len < len(t.req.full_untruncated_fill_ids)]
+        if not decoding:
+            return
+        assert scheduler._make_room(len(decoding)) and self.tree.room_for_windows(len(decoding))
+        for turn in decoding:
+            req = turn.req
+            rows.req_to_token[req.kv.req_pool_idx, req.kv.kv_allocated_len] = int(scheduler.slots.alloc(1)[0])
+        rows.alloc_aux_to_lengths(
+            req_pool_indices_cpu=torch.tensor([t.req.kv.req_pool_idx for t in decoding]),
+            target_seq_lens_cpu=torch.tensor([t.req.kv.kv_allocated_len + 1 for t in decoding]),
+        )
+        for turn in decoding:
+            turn.req.kv.kv_allocated_len += 1
+            turn.req.full_untruncated_fill_ids.append(self.rng.randrange(1024))
+
+    def finish(self, turn: Turn) -> None:
+        scheduler, req = self.scheduler, turn.req
+        self.running.remove(turn)
+        req.done = True
+        owned = req.kv.kv_allocated_len
+        self.tree.checkpoint(req, up_to=owned)
+        row = req.kv.req_pool_idx
+        scheduler.slots.free(scheduler.rows.req_to_token[row][req.kv.cache_protected_len : owned].to(torch.int64))
+        self.tree.unlock(req.lock)
+        scheduler.rows.free_rows([row])
+        self.histories[turn.session] = list(req.full_untruncated_fill_ids[:owned])
+        self.turns_left[turn.session] -= 1
+        if self.turns_left[turn.session]:
+            self.waiting.append(turn.session)
+
+
+CONCURRENT_SESSIONS = 16
+
+
+def concurrent_sessions(tiny_model, retention: str, window_policy: str) -> ConcurrentSessions:
+    """``CONCURRENT_SESSIONS`` sessions, ``ROWS`` of them running at a time, taking 4 turns each with
+    checkpoint records for one checkpoint a session and one more."""
+    scheduler = Scheduler(tiny_model.config, random.Random(31), ("records", CONCURRENT_SESSIONS + 1))
+    scheduler.tree.set_modes(window_policy=window_policy, checkpoint_retention=retention)
+    sessions = ConcurrentSessions(scheduler, CONCURRENT_SESSIONS, turns=4)
+    sessions.run()
+    return sessions
+
+
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_many_concurrent_sessions_each_resume_at_their_last_end_with_records_for_one_checkpoint_a_session(
+    tiny_model, window_policy
+):
+    """Issue 29: sixteen sessions, six running at a time (admitted in batches, so requests hold their locks
+    on the checkpoints they resume from while others in the batch are handed their rows), with checkpoint
+    records for one checkpoint a session and one more. By worth every turn resumes at its session's last
+    request's end: what goes is the prompt ends and the snapshots before them, and the end a running request
+    resumed from once it has run past it. Plain LRU, on the same pool, loses resume points."""
+    by_worth = concurrent_sessions(tiny_model, "worth", window_policy)
+    assert by_worth.lost == []
+    assert by_worth.tree.checkpoint_report()["checkpoint_evictions"]["deepest"] == 0
+    assert concurrent_sessions(tiny_model, "lru", window_policy).lost  # the pool is short enough to lose them
+
+
+@pytest.mark.parametrize("retention", ["worth", "lru"])
+def test_a_checkpoint_a_request_holds_its_lock_on_is_never_evicted(tiny_model, retention):
+    """Issue 29: a request admitted to resume at a checkpoint (matched and locked, its row not handed to it
+    yet: the rest of its batch is reserved and checked for window slots first) finds it there whatever else
+    goes; ``/server_info`` counts it as locked. Once unlocked it may go."""
+    rng = random.Random(5)
+    scheduler = Scheduler(tiny_model.config, rng)
+    tree = scheduler.tree
+    tree.set_modes(checkpoint_retention=retention)
+    ends = [run_turn(scheduler, [rng.randrange(1024) for _ in range(50)], new_tokens=3)[1] for _ in range(3)]
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ends[0] + [1, 2]))))
+    assert match.device_prefix_len == len(ends[0])
+    lock = tree.lock(match.last_device_node)
+    while tree.evict_one_checkpoint():
+        pass
+    assert list(tree.checkpoints) == [match.last_device_node]
+    window_bytes = len(ends[0]) * tree.manager.window_slot_bytes  # its window: the whole sequence, 53 tokens
+    assert tree.checkpoint_report()["checkpoints_by_state"]["locked"] == {"count": 1, "window_bytes": window_bytes}
+    tree.unlock(lock)
+    assert tree.evict_one_checkpoint() and not tree.checkpoints
+
+
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_the_report_counts_checkpoints_by_state_with_the_window_bytes_they_hold(tiny_model, window_policy):
+    """Issue 29, what ``/server_info`` serves (``dsv4_prefix_cache``): the checkpoints each turn resumed past
+    are superseded; per_request releases them as it resumes (counted by why they went), all_committed keeps
+    them, to go first, and reports them with their window bytes. No request holds one once every turn ended."""
+    rng = random.Random(11)
+    scheduler = Scheduler(tiny_model.config, rng)
+    tree = scheduler.tree
+    tree.set_modes(window_policy=window_policy)
+    history: list[int] = []
+    for _ in range(3):
+        _, history = run_turn(scheduler, history + [rng.randrange(1024) for _ in range(30)], new_tokens=3)
+    report = tree.checkpoint_report()
+    by_state, released = report["checkpoints_by_state"], report["checkpoint_evictions"]["superseded_at_resume"]
+    assert sum(state["count"] for state in by_state.values()) == report["checkpoints"]
+    assert by_state["locked"] == {"count": 0, "window_bytes": 0} and by_state["live"]["window_bytes"] > 0
+    if window_policy == "per_request":
+        assert by_state["superseded"] == {"count": 0, "window_bytes": 0} and released > 0
+    else:
+        assert by_state["superseded"]["count"] > 0 and by_state["superseded"]["window_bytes"] > 0 and released == 0

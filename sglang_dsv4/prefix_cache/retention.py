@@ -2,13 +2,14 @@
 
 A checkpoint's worth is the prefill it saves a request that resumes from it: the tokens from the
 nearest shallower checkpoint on its path (which would remain) to its own position, per byte it
-holds (its window slots and its state record). Three things come before worth:
+holds (its window slots and its state record). Four things come before worth:
 
 * a checkpoint *superseded* — a request of its prefix resumed from a deeper checkpoint on its
   path, and no other prefix branches off between them, so the session's later turns resume there
   or deeper and no other session's can resume from it — is worth nothing and goes first;
 * a session's deepest checkpoint (none below it on any path: its request end) is the last of its
-  own to go, after every shallower one;
+  own to go, after every shallower one; one a running request resumed from and has run past (its lock
+  lies below) is not, though the request's own checkpoint is not made yet: that one replaces it;
 * checkpoints a request holds its lock on (about to resume, or just made) never go; they are not
   candidates here;
 * a snapshot a forward plans (a prompt's end, the token before it, an interval) or the window
@@ -41,7 +42,7 @@ class Standing:
     """Where a checkpoint stands when one must go; the smallest :meth:`order` goes first."""
 
     superseded: bool
-    deepest: bool  # no checkpoint below it on any path
+    deepest: bool  # no checkpoint, nor a running request, below it on any path
     saves_tokens: int  # from the nearest shallower checkpoint on its path (or the start) to its position
     held_bytes: int
     last_used: float

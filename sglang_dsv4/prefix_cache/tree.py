@@ -253,7 +253,8 @@ class V4RadixCache(RadixCache):
 
     def _standings(self) -> dict[TreeNode, Standing]:
         """Every checkpoint's standing: one walk down the tree (the nearest checkpoint above each node),
-        and back up (whether one lies below)."""
+        and back up (whether a checkpoint, or a request's lock, lies below: a checkpoint a request has
+        resumed from and run past is not its session's deepest, though the request's own is not made yet)."""
         visited, shallower, stack = [], {}, [(self.root_node, 0)]
         while stack:
             node, above = stack.pop()
@@ -264,7 +265,7 @@ class V4RadixCache(RadixCache):
                 stack.append((child, above if here is None else here.position))
         below: dict[TreeNode, bool] = {}
         for node in reversed(visited):  # every node after all of its descendants
-            below[node] = any(below[c] or c in self.checkpoints for c in node.children.values())
+            below[node] = any(below[c] or c in self.checkpoints or c.lock_ref > 0 for c in node.children.values())
         slot_bytes, record_bytes = self.manager.window_slot_bytes, self.manager.record_bytes
         return {
             node: standing(checkpoint, shallower[node], not below[node], slot_bytes, record_bytes)

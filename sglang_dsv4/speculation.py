@@ -113,9 +113,11 @@ def verify_tokens() -> int:
 def check_speculation(view: Any, hf_config: Any) -> None:
     """Refuse, naming what is missing, a speculative configuration this package does not serve for a V4
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
-    the chain's, decode graphs on a platform that captures them (SGLang would capture the verify and the draft
-    steps, whose batches this package's graph hooks do not index yet), a separate draft model, a checkpoint
-    without an MTP layer, or attention DP (not served yet: --tp alone is)."""
+    the chain's, draft steps after the first on a platform that captures decode graphs (SGLang captures the
+    target's verify batches, which the batched backend's graph hooks index, and the draft steps, which the
+    draft backend does not run in graphs yet; it captures no draft-extend graph for this package's backend),
+    a separate draft model, a checkpoint without an MTP layer, or attention DP (not served yet: --tp alone
+    is)."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -133,10 +135,11 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-num-draft-tokens {drafts}: a chain of --speculative-num-steps {steps} drafts is verified "
             f"as {steps + 1} tokens"
         )
-    if captures_decode_graphs(view):
+    if captures_decode_graphs(view) and steps != 1:
         raise ConfigError(
-            f"--speculative-algorithm {algorithm}: the verify and draft batches do not run through CUDA graphs "
-            "yet; add --disable-cuda-graph (or --cuda-graph-backend-decode disabled)"
+            f"--speculative-num-steps {steps if steps is not None else '(unset)'}: SGLang would capture the draft "
+            "steps after the first in CUDA graphs, which do not run the MTP layer's draft steps yet (the verify "
+            "batches do); use --speculative-num-steps 1 --speculative-num-draft-tokens 2, or add --disable-cuda-graph"
         )
     if view.attn_dp_size != 1:
         raise ConfigError(

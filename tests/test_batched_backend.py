@@ -366,6 +366,201 @@ def test_the_in_graph_decode_step_does_no_host_synchronisation(tiny_model, monke
             batched.attend(block.attn, layer, x, graph.backend.index, pool.storage)
 
 
+VERIFY_TOKENS = 4  # a chain of three drafts, as the served chain (speculation.SPECULATION)
+
+
+class VerifyGraphRunner:
+    """Drives :class:`BatchedBackend`'s CUDA-graph hooks as SGLang 0.5.23's decode graph runner does under
+    speculation (``DecodeCudaGraphRunner``, capture mode ``TARGET_VERIFY``, ``captured_req_width`` the verify's
+    tokens per request): ``init_cuda_graph_state(max_bs, max_bs * tokens)`` once; static buffers
+    (``req_pool_indices`` 0, ``seq_lens`` the fill value, ``positions`` 0 past the real rows); each size
+    captured largest first with ``init_forward_metadata_out_graph(in_capture=True)``, the in-graph step and
+    a warm-up forward of every layer; a replay fills the buffers' first rows, pads the rest, runs the
+    out-of-graph step on the padded view (``build_replay_fb_view``), then the in-graph step, and checks that
+    the index lies at the addresses captured for that size."""
+
+    def __init__(self, pool: V4KVPool, model, sizes: list[int], tokens: int):
+        self.pool, self.model, self.sizes, self.tokens = pool, model, sorted(sizes), tokens
+        self.backend = BatchedBackend(types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None))
+        max_bs = self.sizes[-1]
+        self.backend.init_cuda_graph_state(max_bs, max_bs * tokens)
+        self.fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64)
+        self.seq_lens = torch.full((max_bs,), self.fill, dtype=torch.int64)
+        self.positions = torch.zeros(max_bs * tokens, dtype=torch.int64)
+        self.addresses: dict[int, dict[str, int]] = {}
+
+    def view(self, size: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            batch_size=size,
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            req_pool_indices=self.req_pool_indices[:size],
+            seq_lens=self.seq_lens[:size],
+            positions=self.positions[: size * self.tokens],
+        )
+
+    def capture(self) -> None:
+        for size in reversed(self.sizes):
+            view = self.view(size)
+            self.backend.init_forward_metadata_out_graph(view, in_capture=True)
+            self.backend.init_forward_metadata_in_graph(view)
+            self.addresses[size] = tensor_addresses(self.backend.index)
+            x = torch.randn(size * self.tokens, self.model.config.hidden_size)
+            with torch.no_grad():
+                for layer, block in enumerate(self.model.layers):
+                    self.backend.attend(block.attn, layer, x, view)
+
+    def replay(self, rows: list[int], seq_lens: list[int]) -> types.SimpleNamespace:
+        """The padded batch's view, its index built by the hooks (``self.backend.index``)."""
+        size = min(s for s in self.sizes if s >= len(rows))
+        real = len(rows) * self.tokens
+        self.req_pool_indices[: len(rows)] = torch.tensor(rows)
+        self.req_pool_indices[len(rows) : size] = 0
+        self.seq_lens[: len(rows)] = torch.tensor(seq_lens)
+        self.seq_lens[len(rows) : size] = self.fill
+        self.positions[:real] = (torch.tensor(seq_lens)[:, None] + torch.arange(self.tokens)).flatten()
+        self.positions[real : size * self.tokens] = 0
+        view = self.view(size)
+        self.backend.init_forward_metadata_out_graph(view)
+        self.backend.init_forward_metadata_in_graph(view)
+        assert tensor_addresses(self.backend.index) == self.addresses[size], f"the index of size {size} moved"
+        return view
+
+
+class EagerAndGraphVerify:
+    """Two pools of one configuration under speculation: verify forwards run eagerly
+    (``init_forward_metadata``) on the first and through the graph hooks on the second, then both roll back
+    as SGLang's EAGLE verify has them (``clear_unaccepted_c128_draft_states``)."""
+
+    def __init__(self, model, sizes: list[int], snapshot_interval: int):
+        self.model = model
+        self.pools = [
+            V4KVPool(TOKENS, 1, model.config, torch.float32, ROWS - 1, CONTEXT, "cpu", verify_tokens=VERIFY_TOKENS)
+            for _ in range(2)
+        ]
+        runner = types.SimpleNamespace(token_to_kv_pool=self.pools[0], req_to_token_pool=None)
+        self.eager = BatchedBackend(runner)
+        self.sequences = {row: random_ids(CONTEXT, model.config.vocab_size, seed=200 + row) for row in range(ROWS)}
+        self.snapshot_interval, self.filled = snapshot_interval, 0
+        with_device_twins(self.pools[1].storage.tables)  # the graph reads what the hooks flushed, as on a GPU
+        self.graph = VerifyGraphRunner(self.pools[1], model, sizes, VERIFY_TOKENS)
+
+    def each_pool(self, operation) -> list:
+        return [operation(pool) for pool in self.pools]
+
+    def prefill(self, rows: list[int], lengths: list[int]) -> None:
+        """The same prefill on both pools, by the batched core."""
+        for row, length in zip(rows, lengths, strict=True):
+            self.each_pool(lambda pool: (pool.storage.tables.bind(row), pool.manager.reserve(row, length)))
+        ids = torch.cat([self.sequences[row][:length] for row, length in zip(rows, lengths, strict=True)])
+        plan = batched.BatchPlan(rows, [0] * len(rows), lengths)
+        for pool in self.pools:
+            index = batched.build_index(plan, pool.storage.tables, self.model.config, "cpu")
+            self._run(ids, lambda layer, block, x, index=index, pool=pool: block.attn.project_out(
+                batched.attend(block.attn, layer, x, index, pool.storage)
+            ))  # fmt: skip
+        self.each_pool(lambda pool: setattr(pool.checkpoints, "interval", self.snapshot_interval))
+
+    def verify(self, rows: list[int], accepted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify of every row's next ``VERIFY_TOKENS`` tokens (reserved as
+        :func:`sglang_dsv4.speculation._reserve_for_verify` reserves them), as the graph runner pads it: through
+        the graph hooks on one pool, ``init_forward_metadata`` on the other; then each row keeps ``accepted`` of
+        them. Both logits of the real rows."""
+        starts = [self.pools[0].storage.tables.position[row] for row in rows]
+        for row, start in zip(rows, starts, strict=True):
+            self.each_pool(lambda pool: pool.manager.reserve(row, start + VERIFY_TOKENS))
+        ids = torch.cat([self.sequences[row][s : s + VERIFY_TOKENS] for row, s in zip(rows, starts, strict=True)])
+        view = self.graph.replay(rows, starts)
+        padded = torch.cat([ids, torch.zeros(view.positions.shape[0] - len(ids), dtype=ids.dtype)])
+        graph = self.graph.backend
+        actual = self._run(padded, lambda layer, block, x: graph.attend(block.attn, layer, x, view), len(ids))
+        batch = types.SimpleNamespace(**{k: v.clone() if torch.is_tensor(v) else v for k, v in vars(view).items()})
+        self.eager.init_forward_metadata(batch)
+        expected = self._run(padded, lambda layer, block, x: self.eager.attend(block.attn, layer, x, batch), len(ids))
+        self.assert_same_pools()
+        verified = [torch.tensor(v) for v in (rows, starts, accepted)]
+        self.each_pool(lambda pool: pool.clear_unaccepted_c128_draft_states(*verified, VERIFY_TOKENS))
+        for row, start, kept in zip(rows, starts, accepted, strict=True):  # the tree takes the filled checkpoints
+            taken = self.each_pool(lambda pool: pool.checkpoints.take(row, start + kept))
+            self.filled += len(taken[0])
+            for eager_checkpoint, checkpoint in zip(*taken, strict=True):
+                assert (eager_checkpoint.position, eager_checkpoint.record) == (checkpoint.position, checkpoint.record)
+                self.each_pool(lambda pool, c=checkpoint: pool.checkpoints.release(c))
+        self.assert_same_pools()
+        return expected[: len(ids)], actual[: len(ids)]
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, attend, real: int | None = None) -> torch.Tensor:
+        """The network's logits with ``attend`` as its attention. Only the ``real`` rows of a padded batch go
+        through the MoE: which experts the padded rows reach depends on what they attended to, which the
+        two paths make differently (padding rows), and the experts' products round by how many rows they
+        take."""
+        model, real = self.model, real or len(ids)
+
+        def ffn(layer, block, x):
+            out = torch.zeros_like(x)
+            out[:real] = block.ffn(x[:real], ids[:real])
+            return out
+
+        streams = model.embed(ids).unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
+        streams = run_blocks(model.layers, streams, attend, ffn)
+        return model.head(model.norm(model.hc_head(streams))).float()
+
+    def assert_same_pools(self) -> None:
+        """Every tensor of the two pools equal, bitwise, but what the padded rows write (request row 0's rows
+        and records, and the padding record 0, where the graph's index sends its rollback records), and the
+        request tables."""
+        eager, graph = (pool.storage for pool in self.pools)
+        padding_records = [0] + [eager.rollback_record(0, offset) for offset in range(VERIFY_TOKENS)]
+        records = torch.ones(next(iter(eager.checkpoint_state.values())).shape[0], dtype=torch.bool)
+        records[padding_records] = False
+        for name in ("window", "compressed", "state", "previous_state", "checkpoint_state"):
+            expected, actual = getattr(eager, name), getattr(graph, name)
+            rows = records if name == "checkpoint_state" else slice(1, None)
+            for key in range(len(expected)) if isinstance(expected, list) else expected.keys():
+                assert torch.equal(actual[key][rows], expected[key][rows]), f"{name} {key}"
+        assert eager.tables.position == graph.tables.position
+        assert torch.equal(eager.tables.window_table, graph.tables.window_table)
+        for ratio, table in eager.tables.entry_table.items():
+            assert torch.equal(graph.tables.entry_table[ratio], table)
+
+
+def test_verify_replayed_through_the_graph_hooks_equals_the_eager_verify_and_rolls_back_alike(tiny_model):
+    # Five requests verify chains of three drafts through graphs of sizes 2, 4 and 8 (5 rows padded to 8, 3 to
+    # 4, 4 unpadded): windows across ratio-4 and ratio-128 block ends (from 126, 254), every count of accepted
+    # tokens, and checkpoints every 6 tokens landing inside the windows, before and after the accepted position.
+    pair = EagerAndGraphVerify(tiny_model, sizes=[2, 4, 8], snapshot_interval=6)
+    rows = [1, 2, 3, 4, 5]
+    pair.prefill(rows, [126, 131, 254, 3, 62])
+    pair.graph.capture()
+    pair.assert_same_pools()  # the warm-up forwards wrote padding rows only
+    for step in range(6):
+        batch = rows[: (5, 3, 4)[step % 3]]
+        accepted = [(step + i) % VERIFY_TOKENS + 1 for i in range(len(batch))]
+        expected, actual = pair.verify(batch, accepted)
+        assert torch.equal(actual, expected)
+    assert pair.filled >= 5
+
+
+def test_the_in_graph_verify_step_does_no_host_synchronisation(tiny_model, monkeypatch):
+    pair = EagerAndGraphVerify(tiny_model, sizes=[4], snapshot_interval=0)
+    pair.prefill([1, 2, 3], [130, 7, 300])
+    pool, graph = pair.pools[1], pair.graph
+    for row in (1, 2, 3):
+        pool.manager.reserve(row, pool.storage.tables.position[row] + VERIFY_TOKENS)
+    graph.req_pool_indices[:3] = torch.tensor([1, 2, 3])
+    graph.seq_lens[:3] = torch.tensor([130, 7, 300])
+    view = graph.view(4)
+    graph.backend.init_forward_metadata_out_graph(view)  # host work belongs here
+    for name in ("tolist", "item", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _name=name, **k: pytest.fail(f"host read: {_name}"))
+    x = torch.randn(4 * VERIFY_TOKENS, tiny_model.config.hidden_size)
+    with HostSyncProbe(), torch.no_grad():
+        graph.backend.init_forward_metadata_in_graph(view)
+        for layer, block in enumerate(tiny_model.layers):
+            batched.attend(block.attn, layer, x, graph.backend.index, pool.storage)
+
+
 def test_indexer_selections_equal_the_reference(tiny_model):
     pair = TwoBackends(tiny_model)
     pair.forward([1, 2], [400, 90])

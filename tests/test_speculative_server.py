@@ -277,21 +277,31 @@ def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_wit
     assert named in refusal_at_resolution(checkpoint, *flags)
 
 
-def test_speculation_with_decode_graphs_is_refused_where_graphs_are_captured(monkeypatch):
-    # The verify and draft batches have no CUDA-graph path yet: a platform that captures graphs (CUDA) must be
-    # told --disable-cuda-graph at start. The CPU platform captures none, so it serves speculation as it is.
+def test_draft_steps_are_refused_where_graphs_are_captured_and_a_verify_alone_is_served(monkeypatch):
+    # SGLang captures the target's verify batches, which the batched backend's graph hooks index
+    # (test_batched_backend.py drives them), and the draft steps after the first, which the draft backend does not
+    # run in graphs: a platform that captures graphs (CUDA) serves a chain of one draft, and refuses more with the
+    # way out. The CPU platform captures none, so it serves any chain.
     from sglang.srt.platforms import current_platform
     from sglang.srt.platforms.interface import PlatformCapabilities
 
-    def view(decode_graphs: str) -> SimpleNamespace:
+    from sglang_dsv4.served_config import CHECKPOINT_CONFIG
+
+    hf_config = SimpleNamespace(_name_or_path="a-hub/tiny-v4", **{CHECKPOINT_CONFIG: TINY_CONFIG})  # config's word
+
+    def view(decode_graphs: str, steps: int | None) -> SimpleNamespace:
         return SimpleNamespace(
-            speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
-            speculative_num_draft_tokens=4, speculative_draft_model_path=None, tp_size=1, attn_dp_size=1,
-            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=decode_graphs)),
+            speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=steps,
+            speculative_num_draft_tokens=None if steps is None else steps + 1, speculative_draft_model_path=None,
+            tp_size=1, attn_dp_size=1, cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=decode_graphs)),
         )  # fmt: skip
 
-    assert not speculation.captures_decode_graphs(view("full"))
+    assert not speculation.captures_decode_graphs(view("full", 3))
+    speculation.check_speculation(view("full", 3), hf_config)
     monkeypatch.setattr(type(current_platform), "capabilities", PlatformCapabilities(graph_capture=True))
-    with pytest.raises(ConfigError, match="do not run through CUDA graphs yet; add --disable-cuda-graph"):
-        speculation.check_speculation(view("full"), hf_config=None)
-    assert not speculation.captures_decode_graphs(view("disabled"))
+    for steps in (3, None):
+        with pytest.raises(ConfigError, match="not run the MTP layer's draft steps yet .* --speculative-num-steps 1"):
+            speculation.check_speculation(view("full", steps), hf_config)
+    speculation.check_speculation(view("full", 1), hf_config)
+    speculation.check_speculation(view("disabled", 3), hf_config)
+    assert not speculation.captures_decode_graphs(view("disabled", 3))

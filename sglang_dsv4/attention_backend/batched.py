@@ -158,13 +158,21 @@ class ForwardIndex:
 
 
 def build_index(
-    plan: BatchPlan, tables: RequestTableStorage, config: DeepseekV4Config, device: torch.device | str
+    plan: BatchPlan,
+    tables: RequestTableStorage,
+    config: DeepseekV4Config,
+    device: torch.device | str,
+    whole_entry_tiles: bool = False,
 ) -> ForwardIndex:
     """The forward's index tensors, built on ``device`` from the plan (one small copy there) and the
     request tables as ``device`` holds them (on a GPU their device twins, flushed).
 
     A decode plan gets one snapshot target per request (its checkpoint's record or the
-    padding record), so that its shapes depend on the batch size only.
+    padding record), so that its shapes depend on the batch size only. With ``whole_entry_tiles``
+    (a batch a CUDA graph may also run) the layers that read every entry read the entry tables in
+    whole tiles of the attention's (``sparse_torch.ENTRY_TILE`` columns, or the tables' width): the
+    graph's index reads the tables' whole width, and both then fold the same tiles, giving the same
+    floats (the indexer's scores do not depend on the width).
     """
     snapshots = plan.snapshots
     if plan.is_decode:
@@ -190,12 +198,22 @@ def build_index(
         r: _Sizes(
             touched=sum((end - 1) // r - start // r + 1 for start, end in zip(plan.starts, ends, strict=True)),
             width=max(1, min(r, max(plan.lengths, default=1))),
-            blocks=max(1, max(ends, default=0) // r),
+            blocks=_entry_columns(
+                max(ends, default=0) // r, tables.entry_table[r].shape[1], whole_entry_tiles and r != config.csa_rate
+            ),
         )
         for r in tables.entry_table
     }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
     return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode)
+
+
+def _entry_columns(blocks: int, width: int, whole_tiles: bool) -> int:
+    """Entry-table columns a forward reads for ``blocks`` complete blocks (at least one, so that the padding
+    entries a selection points at exist), in whole tiles where asked."""
+    if whole_tiles:
+        return min(width, -(-max(1, blocks) // sparse_torch.ENTRY_TILE) * sparse_torch.ENTRY_TILE)
+    return max(1, blocks)
 
 
 def build_decode_index(
@@ -226,6 +244,47 @@ def build_decode_index(
     sizes = {r: _Sizes(touched=requests, width=1, blocks=table.shape[1]) for r, table in tables.entry_table.items()}
     # Token i is request i: only a tile of one token has an owner.
     return _index(batch, tables, config, sizes, _tile_owners(list(range(requests))), one_token_each=True)
+
+
+def build_verify_index(
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    tokens_per_request: int,
+    checkpoint_records: torch.Tensor,
+    rollback_records: torch.Tensor,
+    tables: RequestTableStorage,
+    config: DeepseekV4Config,
+) -> ForwardIndex:
+    """A speculative verify forward's index tensors from device tensors, with no host synchronisation.
+
+    Request ``i`` (pool row ``rows[i]``) runs ``tokens_per_request`` positions from ``starts[i]``, takes
+    checkpoints after them into ``checkpoint_records [requests, tokens_per_request]`` (0: none at that
+    position) and its rollback records after each of them but the last into ``rollback_records [requests,
+    tokens_per_request - 1]``. Shapes depend on the batch size only: every request touches as many blocks
+    as the most that ``tokens_per_request`` positions can (:meth:`~sglang_dsv4.model.compressor.BlockTargets.of`),
+    entry tables span the tables' whole width, so the same code runs eagerly and inside a CUDA graph
+    (:class:`VerifyGraphIndex`).
+    """
+    requests, device = rows.shape[0], rows.device
+    rows, starts = rows.long(), starts.long()
+    offsets = torch.arange(1, tokens_per_request + 1, device=device)
+    snapshot_positions = torch.cat([starts[:, None] + offsets, starts[:, None] + offsets[:-1]], dim=1)
+    batch = _Batch.of(
+        rows,
+        starts,
+        torch.full_like(rows, tokens_per_request),
+        tokens=requests * tokens_per_request,
+        snapshot_request=torch.arange(requests, device=device)[:, None].expand_as(snapshot_positions).flatten(),
+        snapshot_position=snapshot_positions.flatten(),
+        snapshot_record=torch.cat([checkpoint_records, rollback_records], dim=1).long().flatten(),
+    )
+    sizes = {}
+    for ratio, table in tables.entry_table.items():
+        per_request = -(-(tokens_per_request - 1) // ratio) + 1  # the most blocks the positions can touch
+        width = min(ratio, tokens_per_request)
+        sizes[ratio] = _Sizes(requests * per_request, width, table.shape[1], per_request)
+    owners = _tile_owners([i for i in range(requests) for _ in range(tokens_per_request)])
+    return _index(batch, tables, config, sizes, owners, one_token_each=tokens_per_request == 1)
 
 
 class PendingCheckpoint(Protocol):
@@ -265,11 +324,7 @@ class DecodeGraphIndex:
 
     def stage_checkpoints(self, pending: Mapping[int, Sequence[PendingCheckpoint]]) -> None:
         """Host side, before a replay: ``(position, record)`` of each row's first pending checkpoints."""
-        self._staged.fill_(-1)
-        for row, checkpoints in pending.items():
-            for slot, checkpoint in enumerate(sorted(checkpoints, key=lambda c: c.position)[:PENDING_PER_ROW]):
-                self._staged[row, slot, 0], self._staged[row, slot, 1] = checkpoint.position, checkpoint.record
-        self.pending.copy_(self._staged)
+        _stage_checkpoints(pending, self._staged, self.pending)
 
     def build(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
         """Device side: the index of a decode batch (``rows``, ``seq_lens``: ``[n]`` device tensors)
@@ -304,6 +359,69 @@ class DecodeGraphIndex:
         return replace(index, compressors=compressors, tile_owners=owners)
 
 
+class VerifyGraphIndex:
+    """The speculative verify :class:`ForwardIndex` of a CUDA graph, rebuilt in place before every replay: a
+    batch of requests of ``tokens_per_request`` tokens each (:func:`build_verify_index`).
+
+    As :class:`DecodeGraphIndex`: buffers allocated once for ``max_requests``, the host's part
+    (:meth:`stage_checkpoints`) before the graph, the device's part (:meth:`build`) recordable in it. A
+    row's pending checkpoints can be at any of its verify's positions, and the last verify's not taken yet
+    before them: ``PENDING_PER_ROW`` per token. Padded rows (request row 0 at length 1) write only padding
+    rows and records.
+    """
+
+    def __init__(
+        self,
+        max_requests: int,
+        tokens_per_request: int,
+        tables: RequestTableStorage,
+        config: DeepseekV4Config,
+        device: torch.device | str,
+    ):
+        if tokens_per_request < 2:
+            raise ValueError(f"a verify of {tokens_per_request} tokens per request: a verify runs a draft or more")
+        self.tables, self.config, self.tokens_per_request = tables, config, tokens_per_request
+        request_rows = tables.window_table.shape[0]
+        slots = PENDING_PER_ROW * tokens_per_request
+        self.pending = torch.full((request_rows, slots, 2), -1, dtype=torch.int64, device=device)
+        self._staged = torch.full_like(self.pending, -1, device="cpu")
+        rows = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        records = torch.zeros(max_requests, tokens_per_request, dtype=torch.int64, device=device)
+        index = build_verify_index(rows, rows + 1, tokens_per_request, records, records[:, 1:], tables, config)
+        self.buffers = _map_tensors(index, torch.clone)
+
+    def stage_checkpoints(self, pending: Mapping[int, Sequence[PendingCheckpoint]]) -> None:
+        """Host side, before a replay: ``(position, record)`` of each row's first pending checkpoints."""
+        _stage_checkpoints(pending, self._staged, self.pending)
+
+    def build(self, rows: torch.Tensor, seq_lens: torch.Tensor, rollback_records: torch.Tensor) -> ForwardIndex:
+        """Device side: the index of a verify batch (``rows``, ``seq_lens``: ``[n]`` device tensors, each request
+        running positions ``seq_lens[i] ..``; ``rollback_records [n, tokens_per_request]``: each request's rollback
+        records, that at offset 0 not filled by the forward) in the buffers' first rows, with no host operation."""
+        starts = seq_lens.long()
+        positions = starts[:, None] + torch.arange(1, self.tokens_per_request + 1, device=starts.device)
+        pending = self.pending[rows.long()]  # [n, slots, (position, record)]
+        due = pending[:, None, :, 0] == positions[:, :, None]  # [n, tokens, slots]
+        checkpoint_records = torch.where(due, pending[:, None, :, 1], 0).sum(-1)
+        index = build_verify_index(
+            rows, starts, self.tokens_per_request, checkpoint_records, rollback_records[:, 1:], self.tables, self.config
+        )
+        return _copy_into(self.buffers, index)
+
+
+def _stage_checkpoints(
+    pending: Mapping[int, Sequence[PendingCheckpoint]], staged: torch.Tensor, table: torch.Tensor
+) -> None:
+    """``(position, record)`` of each row's first pending checkpoints into the device ``table`` (through
+    its host twin ``staged``); -1 where a row has no more."""
+    staged.fill_(-1)
+    slots = staged.shape[1]
+    for row, checkpoints in pending.items():
+        for slot, checkpoint in enumerate(sorted(checkpoints, key=lambda c: c.position)[:slots]):
+            staged[row, slot, 0], staged[row, slot, 1] = checkpoint.position, checkpoint.record
+    table.copy_(staged)
+
+
 def _fields_of(value) -> dict[str, torch.Tensor]:
     """A dataclass's tensor fields by name."""
     return {name: getattr(value, name) for name in value.__dataclass_fields__ if torch.is_tensor(getattr(value, name))}
@@ -332,6 +450,7 @@ class _Sizes:
     touched: int
     width: int
     blocks: int
+    per_request: int | None = None  # touched targets of every request, in a fixed-shape index
 
 
 @dataclass(frozen=True)
@@ -423,10 +542,13 @@ def _window_index(batch: _Batch, window_table: torch.Tensor, window: int, *, one
 def _compressor_targets(batch: _Batch, entry_table: torch.Tensor, ratio: int, sizes: _Sizes) -> CompressorTargets:
     snapshots = (batch.snapshot_request, batch.snapshot_position)
     blocks = BlockTargets.of(
-        batch.starts, batch.lengths, batch.offsets, snapshots, ratio, touched=sizes.touched, width=sizes.width
-    )
+        batch.starts, batch.lengths, batch.offsets, snapshots, ratio,
+        touched=sizes.touched, width=sizes.width, per_request=sizes.per_request,
+    )  # fmt: skip
     request = blocks.request[: blocks.touched]
-    complete = batch.ends[request] >= blocks.entry_positions + ratio
+    # A block repeated past a request's last one (a fixed-shape index's) writes no entry.
+    repeated = torch.arange(blocks.touched, device=request.device) > blocks.last_target[request]
+    complete = (batch.ends[request] >= blocks.entry_positions + ratio) & ~repeated
     entry_rows = torch.where(complete, entry_table[batch.rows[request], blocks.entry_positions // ratio], 0)
     return CompressorTargets(blocks, entry_rows, batch.snapshot_record)
 

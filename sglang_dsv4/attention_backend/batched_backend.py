@@ -12,7 +12,11 @@ runner calls them: ``init_cuda_graph_state`` once, then per capture and per repl
 to the device) and
 ``init_forward_metadata_in_graph`` (device only, recorded in the graph: the index of the padded
 batch, from its ``req_pool_indices`` and ``seq_lens``, into buffers of stable address;
-:class:`~.batched.DecodeGraphIndex`).
+:class:`~.batched.DecodeGraphIndex`). Under speculation SGLang's runner captures the target's verify
+batches instead (``--speculative-num-draft-tokens`` tokens per request from ``seq_lens``): the same hooks,
+with :class:`~.batched.VerifyGraphIndex`, and in the graph each request's state copied to its first
+rollback record before the layers (:meth:`~sglang_dsv4.memory_pool.storage.V4PoolStorage.begin_verify_rows`),
+as :func:`rollback_snapshots` does eagerly.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class BatchedBackend(V4PoolBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.index: batched.ForwardIndex | None = None
-        self.graph_index: batched.DecodeGraphIndex | None = None
+        self.graph_index: batched.DecodeGraphIndex | batched.VerifyGraphIndex | None = None
         # The batch rows the spans cover, where they do not cover all (a draft-extend forward's accepted rows).
         self.covered: torch.Tensor | None = None
 
@@ -45,15 +49,30 @@ class BatchedBackend(V4PoolBackend):
         storage.tables.begin_forward()
         spans = request_spans(forward_batch)
         plan = batch_plan(pool.checkpoints, spans)
-        if forward_batch.forward_mode.is_target_verify():
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify():
             plan.snapshots.extend(rollback_snapshots(storage, spans))
         covered = covered_rows(spans, forward_batch.positions.shape[0])
         self.covered = None if covered is None else covered.to(storage.device)
-        self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device)
+        # Decode and verify batches run in CUDA graphs too: read as the graphs do, for the same floats.
+        graph_twin = mode.is_decode() or mode.is_target_verify()
+        self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device, graph_twin)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Buffers for graphs of up to ``max_bs`` requests of ``max_num_tokens // max_bs`` tokens each: one
+        (decode) or the pool's verify tokens (SGLang captures only verify batches under speculation)."""
         storage = self.token_to_kv_pool.storage
-        self.graph_index = batched.DecodeGraphIndex(max_bs, storage.tables.on_device, storage.config, storage.device)
+        tables, config, device = storage.tables.on_device, storage.config, storage.device
+        tokens_per_request = max_num_tokens // max_bs
+        if tokens_per_request == 1:
+            self.graph_index = batched.DecodeGraphIndex(max_bs, tables, config, device)
+        elif tokens_per_request == storage.verify_tokens and max_num_tokens % max_bs == 0:
+            self.graph_index = batched.VerifyGraphIndex(max_bs, tokens_per_request, tables, config, device)
+        else:
+            raise ValueError(
+                f"{NAME}: CUDA graphs of {max_num_tokens} tokens for {max_bs} requests; this pool's graphs run one "
+                f"token per request (decode) or {storage.verify_tokens} (a speculative verify)"
+            )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows decode position 0 of request row 0, SGLang's padding row: every row they write is a
@@ -67,9 +86,20 @@ class BatchedBackend(V4PoolBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.covered = None
-        self.index = self._graph_index().build(forward_batch.req_pool_indices, forward_batch.seq_lens)
+        graph_index, rows, seq_lens = self._graph_index(), forward_batch.req_pool_indices, forward_batch.seq_lens
+        verify = forward_batch.forward_mode.is_target_verify()
+        if verify != isinstance(graph_index, batched.VerifyGraphIndex):
+            mode, graphs = forward_batch.forward_mode.name, type(graph_index).__name__
+            raise RuntimeError(f"{NAME}: a {mode} batch in graphs of {graphs}")
+        if not verify:
+            self.index = graph_index.build(rows, seq_lens)
+            return
+        storage = self.token_to_kv_pool.storage
+        rollback_records = storage.rollback_records(rows)
+        storage.begin_verify_rows(rows, rollback_records[:, 0])
+        self.index = graph_index.build(rows, seq_lens, rollback_records)
 
-    def _graph_index(self) -> batched.DecodeGraphIndex:
+    def _graph_index(self) -> batched.DecodeGraphIndex | batched.VerifyGraphIndex:
         if self.graph_index is None:
             raise RuntimeError(f"{NAME}: a CUDA-graph metadata hook before init_cuda_graph_state")
         return self.graph_index

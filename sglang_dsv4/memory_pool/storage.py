@@ -136,6 +136,19 @@ class V4PoolStorage:
         later ones as it passes their positions)."""
         self.save_record(row, self.rollback_record(row, 0))
 
+    def rollback_records(self, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`rollback_record` of device rows at every offset, on the device: ``[rows, verify_tokens]``;
+        the padding record 0 for the padding row 0."""
+        offsets = torch.arange(self.verify_tokens, device=rows.device)
+        records = self._first_rollback_record + rows.long()[:, None] * self.verify_tokens + offsets
+        return torch.where(rows[:, None] > 0, records, 0)
+
+    def begin_verify_rows(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """:meth:`begin_verify` of device rows on the device: their state records into ``records`` (their
+        rollback records at offset 0)."""
+        for key, state in self.state.items():
+            self.checkpoint_state[key].index_copy_(0, records, state[rows.long()])
+
     def rollback(self, row: int, start: int, accepted: int) -> None:
         """After a verify forward of ``verify_tokens`` tokens from ``start``, the row's state records at
         ``start + accepted`` (``1 <= accepted <= verify_tokens``): those of the last accepted token, and one

@@ -193,20 +193,33 @@ class BlockTargets:
         *,
         touched: int,
         width: int,
+        per_request: int | None = None,
     ) -> BlockTargets:
         """The targets of requests running positions ``starts[i] .. starts[i] + lengths[i] - 1`` from forward
         row ``offsets[i]``, with snapshots ``(batch index, position)`` (``touched``: the blocks they touch,
-        ``width``: the most positions a target pools, host values)."""
+        ``width``: the most positions a target pools, host values).
+
+        With ``per_request`` every request has that many touched targets, whatever its positions (shapes that
+        depend on the batch size only, for a CUDA graph): those past a request's last block repeat it, and
+        are not its last target (so nothing takes their pool as an entry or a state)."""
         ends = starts + lengths
         device = starts.device
         first_block = starts // ratio
         counts = (ends - 1) // ratio - first_block + 1
-        request = torch.repeat_interleave(torch.arange(len(starts), device=device), counts, output_size=touched)
-        first_target = torch.cumsum(counts, 0) - counts
-        block = first_block[request] + torch.arange(touched, device=device) - first_target[request]
+        requests = torch.arange(len(starts), device=device)
+        if per_request is None:
+            request = torch.repeat_interleave(requests, counts, output_size=touched)
+            first_target = torch.cumsum(counts, 0) - counts
+        else:
+            request = torch.repeat_interleave(requests, per_request, output_size=touched)
+            first_target = requests * per_request
+        in_request = torch.arange(touched, device=device) - first_target[request]
+        block = first_block[request] + torch.minimum(in_request, counts[request] - 1)
         lo = torch.maximum(starts[request], block * ratio)
         hi = torch.minimum(ends[request], (block + 1) * ratio)
-        previous = torch.where(block > first_block[request], torch.arange(touched, device=device) - 1, -1)
+        previous = torch.where(
+            block > first_block[request], first_target[request] + block - 1 - first_block[request], -1
+        )
 
         snap_request, snap_position = snapshots
         snap_block = snap_position // ratio

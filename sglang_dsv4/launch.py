@@ -27,8 +27,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict | None = None) -> Iterator[str]:
-    """A CPU server on a free loopback port; yields its base URL and stops it on exit.
+def running_server(
+    model_path: Path,
+    *extra_args: str,
+    log_path: Path,
+    env: dict | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> Iterator[str]:
+    """A CPU server on a free loopback port, healthy within ``startup_timeout_s``; yields its base URL and stops it
+    on exit.
 
     Started from ``log_path``'s folder, outside any source tree, so the installed package
     is the one imported; in a process group of its own, so that stopping it stops every
@@ -43,7 +50,7 @@ def running_server(model_path: Path, *extra_args: str, log_path: Path, env: dict
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_until_healthy(url, process, log_path)
+            _wait_until_healthy(url, process, log_path, startup_timeout_s)
             yield url
         finally:
             stop_process_group(process)
@@ -81,8 +88,8 @@ def server_command(model_path: Path, port: int, *extra_args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
@@ -92,4 +99,4 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path) -> 
         except requests.RequestException:
             pass
         time.sleep(1)
-    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+    raise RuntimeError(f"server not healthy after {timeout_s:g}s:\n{log_path.read_text()[-4000:]}")

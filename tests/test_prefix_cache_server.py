@@ -153,7 +153,7 @@ def test_a_mode_outside_the_allowed_values_is_refused_and_changes_nothing(server
 
 
 def test_per_request_keeps_checkpoint_windows_all_committed_keeps_every_token(server):
-    held = {}
+    held, by_state, evictions = {}, {}, {}
     for policy in ("per_request", "all_committed"):
         flush(server)
         set_modes(server, window_policy=policy)
@@ -161,7 +161,16 @@ def test_per_request_keeps_checkpoint_windows_all_committed_keeps_every_token(se
             conversation(server, turns=3, seed=40 + seed, first=700)
         state, usage = prefix_cache_state(server), pool_usage(server)
         held[policy] = (usage["window_slots"]["total"] - usage["window_slots"]["free"], state["checkpoints"])
+        by_state[policy], evictions[policy] = state["checkpoints_by_state"], state["checkpoint_evictions"]
+        assert sum(kind["count"] for kind in by_state[policy].values()) == state["checkpoints"]
+        assert by_state[policy]["locked"] == {"count": 0, "window_bytes": 0}  # no request holds one now
+        assert by_state[policy]["live"]["window_bytes"] > 0
     set_modes(server, window_policy="per_request")
+    # Issue 29: the checkpoints each turn resumed past are superseded: per_request releases them as it
+    # resumes, all_committed keeps them (to go first) and reports them with their window bytes.
+    assert by_state["per_request"]["superseded"]["count"] == 0 and evictions["per_request"]["superseded_at_resume"] > 0
+    assert by_state["all_committed"]["superseded"]["window_bytes"] > 0
+    assert evictions["all_committed"]["superseded_at_resume"] == 0
     per_request_slots, checkpoints = held["per_request"]
     all_committed_slots, _ = held["all_committed"]
     # Nothing but checkpoint windows (128 tokens each, some shared) outlives a request...

@@ -3,10 +3,12 @@
 every pool row comes back.
 
 The oracle is the network's own greedy decoding, one token per forward (:func:`greedy_decode`), in float32 as the
-servers run. Two servers: the shipped checkpoint (a trained MTP layer: many drafts accepted) on the batched
-backend, and a random config whose MTP layer has a ratio-4 compressor and indexer (a random MTP layer: nearly every
-draft rejected, so nearly every verify rolls back) on the torch reference backend. Each serves a batch of mixed
-prompt lengths with outputs across ratio-4 and ratio-128 block ends and the sliding window's end.
+servers run. Three servers: the shipped checkpoint (a trained MTP layer: many drafts accepted) on the batched
+backend, in one process and under attention DP (``--tp 2 --attn-dp-size 2 --ep-size 2``, whose accepted drafts
+must be the single process's), and a random config whose MTP layer has a ratio-4 compressor and indexer (a random
+MTP layer: nearly every draft rejected, so nearly every verify rolls back) on the torch reference backend. Each
+serves a batch of mixed prompt lengths with outputs across ratio-4 and ratio-128 block ends and the sliding
+window's end.
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ def random_mtp_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel_server(log_dir):
-    args = ["--dtype", "float32", "--tp", "2", "--max-total-tokens", "4096", *SPECULATION]
-    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-tp2.log") as url:
+def data_parallel_server(log_dir):
+    """Attention DP 2 (attention-TP 1): each DP rank drafts and verifies its own requests, the target's and the
+    MTP layer's MoE over both ranks' rows. The MTP layer's attention split over an attention-TP group of 2 (and
+    its token-sharded residual) is checked without a server, against the network's draft, in
+    ``test_data_parallel_forward.py``."""
+    args = ["--dtype", "float32", "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2", *SPECULATION]
+    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-dp2.log") as url:
         yield url
 
 
@@ -105,19 +111,31 @@ def assert_greedy_with_speculation_is_greedy_without(url: str, path: Path) -> li
         meta = reply["meta_info"]
         assert meta["spec_accept_length"] == pytest.approx(count / meta["spec_verify_ct"])
         accepted.append(meta["spec_accept_length"])
-    assert server_report(url)["avg_spec_accept_length"] >= 1  # SGLang's, until the flush below resets it
+    # SGLang's, until the flush below resets it; under attention DP every rank's (each served some requests).
+    assert all(report["avg_spec_accept_length"] >= 1 for report in server_reports(url))
     assert_pools_idle(url)
-    assert set(server_report(url)["dsv4_prefix_cache"]["rows_miscounted"].values()) == {0}
+    for report in server_reports(url):
+        assert set(report["dsv4_prefix_cache"]["rows_miscounted"].values()) == {0}
     return accepted
 
 
+def server_reports(url: str) -> list[dict]:
+    """Each DP rank's report (one without attention DP)."""
+    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"]
+
+
 def server_report(url: str) -> dict:
-    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+    return server_reports(url)[0]
 
 
-def test_trained_mtp_greedy_with_speculation_is_greedy_without(shipped_server):
-    accepted = assert_greedy_with_speculation_is_greedy_without(shipped_server, shipped_checkpoint())
-    assert min(accepted) > 1.5  # the trained MTP layer's drafts are often right
+@pytest.fixture(scope="module")
+def trained_mtp_accepted(shipped_server) -> list[float]:
+    """The single-process server's mean accepted lengths, its outputs checked."""
+    return assert_greedy_with_speculation_is_greedy_without(shipped_server, shipped_checkpoint())
+
+
+def test_trained_mtp_greedy_with_speculation_is_greedy_without(trained_mtp_accepted):
+    assert min(trained_mtp_accepted) > 1.5  # the trained MTP layer's drafts are often right
 
 
 def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, random_mtp_path):
@@ -125,9 +143,12 @@ def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, ran
     assert max(accepted) < 1.2  # a random MTP layer's drafts are nearly all rejected: nearly every verify rolls back
 
 
-def test_greedy_with_speculation_over_two_tensor_parallel_ranks_is_greedy_without(tensor_parallel_server):
-    accepted = assert_greedy_with_speculation_is_greedy_without(tensor_parallel_server, shipped_checkpoint())
-    assert max(accepted) > 2  # the trained MTP layer's drafts are accepted on both ranks alike
+def test_greedy_with_speculation_over_two_attention_dp_ranks_is_greedy_without(
+    data_parallel_server, trained_mtp_accepted
+):
+    accepted = assert_greedy_with_speculation_is_greedy_without(data_parallel_server, shipped_checkpoint())
+    # Each DP rank drafts as one process does: the same drafts accepted as on the single-process server.
+    assert accepted == trained_mtp_accepted
 
 
 def test_the_speculating_server_allocates_what_the_ledger_under_speculation_says(shipped_server):
@@ -268,9 +289,8 @@ def test_n_samples_with_speculation(shipped_server, shipped_model):
     [
         ({"num_nextn_predict_layers": 0}, SPECULATION, "the checkpoint has no MTP layer to draft with"),
         ({}, (*SPECULATION[:4], "--speculative-eagle-topk", "2"), "--speculative-eagle-topk 2"),
-        ({}, (*SPECULATION, "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2"), "not served under attention DP"),
     ],
-    ids=["no-mtp-layer", "topk-2", "attention-dp"],
+    ids=["no-mtp-layer", "topk-2"],
 )
 def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin, changes, flags, named):
     checkpoint = config_only_checkpoint(tmp_path / "checkpoint", **changes)

@@ -9,7 +9,10 @@ attention backend here keeps each request's V4 state in the process instead of a
 paths are the server tests'), so what is checked is the model's parallel layout: the attention
 projections split over the attention-TP group, mHC token-sharded within it, the embedding whole,
 the MoE over both DP ranks' gathered rows and token ids with the experts split by EP, the head over
-the TP group. The oracle is the torch reference network in one process: every rank's next-token
+the TP group. The same for the MTP layer as SGLang's EAGLE draft model (``DeepseekV4ForCausalLMNextN``) on
+the same rows, reading the target's streams: its attention split over the attention-TP group, its residual
+token-sharded, its MoE over both DP ranks' rows. The oracle is the torch reference network in one process
+(its :meth:`~sglang_dsv4.model.network.DeepseekV4.draft` for the MTP layer): every rank's next-token
 logits of every request equal it within 1e-5 of their scale (the largest logit's magnitude: float32
 sums taken in another order differ by up to 7e-7 of it here).
 """

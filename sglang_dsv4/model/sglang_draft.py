@@ -13,6 +13,10 @@ Embedding and head are the target's (SGLang calls :meth:`set_embed_and_head` wit
 :meth:`~.sglang_model.DeepseekV4ForCausalLM.get_embed_and_head`). The layer's attention state lives in the
 target's V4 pool as its last layer (``num_layers``), at the target's positions and through the same request
 tables (the draft's attention backend is built over the target's pool).
+
+SGLang runs the draft in the target's parallel layout, and so does the layer (:mod:`.sglang_model`'s helpers):
+its attention split over the ranks that hold the same requests, its streams token-sharded within them, and under
+attention DP its MoE over every DP rank's rows.
 """
 
 from __future__ import annotations

@@ -114,8 +114,8 @@ def check_speculation(view: Any, hf_config: Any) -> None:
     """Refuse, naming what is missing, a speculative configuration this package does not serve for a V4
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
     the chain's, decode graphs on a platform that captures them (SGLang would capture the verify and the draft
-    steps, whose batches this package's graph hooks do not index yet), a separate draft model, or a checkpoint
-    without an MTP layer."""
+    steps, whose batches this package's graph hooks do not index yet), a separate draft model, a checkpoint
+    without an MTP layer, or attention DP (not served yet: --tp alone is)."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -137,6 +137,11 @@ def check_speculation(view: Any, hf_config: Any) -> None:
         raise ConfigError(
             f"--speculative-algorithm {algorithm}: the verify and draft batches do not run through CUDA graphs "
             "yet; add --disable-cuda-graph (or --cuda-graph-backend-decode disabled)"
+        )
+    if view.attn_dp_size != 1:
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm}: not served under attention DP yet (got attention DP "
+            f"{view.attn_dp_size}); --tp without --attn-dp-size serves it"
         )
     model_path = str(getattr(hf_config, "_name_or_path", ""))
     if view.speculative_draft_model_path not in (None, model_path):

@@ -4,8 +4,8 @@ every pool row comes back.
 
 The oracle is the network's own greedy decoding, one token per forward (:func:`greedy_decode`), in float32 as the
 servers run. Three servers: the shipped checkpoint (a trained MTP layer: many drafts accepted) on the batched
-backend, in one process and under attention DP (``--tp 2 --attn-dp-size 2 --ep-size 2``, whose accepted drafts
-must be the single process's), and a random config whose MTP layer has a ratio-4 compressor and indexer (a random
+backend, in one process and over two tensor-parallel ranks (``--tp 2``, whose accepted drafts must be the single
+process's), and a random config whose MTP layer has a ratio-4 compressor and indexer (a random
 MTP layer: nearly every draft rejected, so nearly every verify rolls back) on the torch reference backend. Each
 serves a batch of mixed prompt lengths with outputs across ratio-4 and ratio-128 block ends and the sliding
 window's end.
@@ -69,13 +69,9 @@ def random_mtp_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def data_parallel_server(log_dir):
-    """Attention DP 2 (attention-TP 1): each DP rank drafts and verifies its own requests, the target's and the
-    MTP layer's MoE over both ranks' rows. The MTP layer's attention split over an attention-TP group of 2 (and
-    its token-sharded residual) is checked without a server, against the network's draft, in
-    ``test_data_parallel_forward.py``."""
-    args = ["--dtype", "float32", "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2", *SPECULATION]
-    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-dp2.log") as url:
+def tensor_parallel_server(log_dir):
+    args = ["--dtype", "float32", "--tp", "2", "--max-total-tokens", "4096", *SPECULATION]
+    with running_server(shipped_checkpoint(), *args, log_path=log_dir / "speculative-tp2.log") as url:
         yield url
 
 
@@ -143,11 +139,11 @@ def test_random_mtp_greedy_with_speculation_is_greedy_without(random_server, ran
     assert max(accepted) < 1.2  # a random MTP layer's drafts are nearly all rejected: nearly every verify rolls back
 
 
-def test_greedy_with_speculation_over_two_attention_dp_ranks_is_greedy_without(
-    data_parallel_server, trained_mtp_accepted
+def test_greedy_with_speculation_over_two_tensor_parallel_ranks_is_greedy_without(
+    tensor_parallel_server, trained_mtp_accepted
 ):
-    accepted = assert_greedy_with_speculation_is_greedy_without(data_parallel_server, shipped_checkpoint())
-    # Each DP rank drafts as one process does: the same drafts accepted as on the single-process server.
+    accepted = assert_greedy_with_speculation_is_greedy_without(tensor_parallel_server, shipped_checkpoint())
+    # The MTP layer's sums reduced over both ranks: the same drafts accepted as on the single-process server.
     assert accepted == trained_mtp_accepted
 
 
@@ -289,8 +285,9 @@ def test_n_samples_with_speculation(shipped_server, shipped_model):
     [
         ({"num_nextn_predict_layers": 0}, SPECULATION, "the checkpoint has no MTP layer to draft with"),
         ({}, (*SPECULATION[:4], "--speculative-eagle-topk", "2"), "--speculative-eagle-topk 2"),
+        ({}, (*SPECULATION, "--tp", "2", "--attn-dp-size", "2", "--ep-size", "2"), "not served under attention DP"),
     ],
-    ids=["no-mtp-layer", "topk-2"],
+    ids=["no-mtp-layer", "topk-2", "attention-dp"],
 )
 def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin, changes, flags, named):
     checkpoint = config_only_checkpoint(tmp_path / "checkpoint", **changes)

@@ -9,7 +9,10 @@ attention backend here keeps each request's V4 state in the process instead of a
 paths are the server tests'), so what is checked is the model's parallel layout: the attention
 projections split over the attention-TP group, mHC token-sharded within it, the embedding whole,
 the MoE over both DP ranks' gathered rows and token ids with the experts split by EP, the head over
-the TP group. The oracle is the torch reference network in one process: every rank's next-token
+the TP group. The same for the MTP layer as SGLang's EAGLE draft model (``DeepseekV4ForCausalLMNextN``) on
+the same rows, reading the target's streams: its attention split over the attention-TP group, its residual
+token-sharded, its MoE over both DP ranks' rows. The oracle is the torch reference network in one process
+(its :meth:`~sglang_dsv4.model.network.DeepseekV4.draft` for the MTP layer): every rank's next-token
 logits of every request equal it within 1e-5 of their scale (the largest logit's magnitude: float32
 sums taken in another order differ by up to 7e-7 of it here).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
@@ -67,24 +71,49 @@ def _histories() -> dict[tuple[int, int], list[tuple[int, ...]]]:
     return histories
 
 
-def expected_logits(path: Path) -> list[dict[tuple[int, int], torch.Tensor]]:
-    """Per step, each request's next-token logits from the torch reference in one process."""
+def draft_ids(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens the MTP layer reads beside a chunk's streams (in a server, each token's successor)."""
+    return (*ids[1:], ids[0])
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Per step, each request's (dp rank, row) next-token logits, its draft logits, and the target streams of
+    its new tokens (``[tokens, hc_mult * hidden]``: what SGLang hands the draft model)."""
+
+    logits: list[dict[tuple[int, int], torch.Tensor]]
+    draft_logits: list[dict[tuple[int, int], torch.Tensor]]
+    streams: list[dict[tuple[int, int], torch.Tensor]]
+
+
+@torch.no_grad()
+def expected_outputs(path: Path) -> Expected:
+    """What the torch reference gives in one process: the target over each request's history, and the MTP
+    layer (:meth:`~sglang_dsv4.model.network.DeepseekV4.draft`) over its streams and :func:`draft_ids`."""
     network = load_model(path)
-    logits: dict[tuple[int, int], list[torch.Tensor]] = {}
+    chunks_of: dict[tuple[int, int], list[torch.Tensor]] = {}
     for request, chunks in _histories().items():
-        every = network(torch.tensor(sum(chunks, ())), network.new_state())
-        ends = torch.tensor([len(chunk) for chunk in chunks]).cumsum(0) - 1
-        logits[request] = list(every[ends])
-    taken = {request: 0 for request in logits}
-    per_step = []
+        state = network.new_state()
+        streams = network.streams(torch.tensor(sum(chunks, ())), state)
+        logits = network.head_logits(streams)
+        next_ids = torch.tensor(sum((draft_ids(chunk) for chunk in chunks), ()))
+        draft_logits, _ = network.draft(streams, next_ids, state.mtp)
+        ends = torch.tensor([len(chunk) for chunk in chunks]).cumsum(0)
+        starts = ends - torch.tensor([len(chunk) for chunk in chunks])
+        chunks_of[request] = [
+            (logits[end - 1], draft_logits[end - 1], streams[start:end].flatten(1))
+            for start, end in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+    expected = Expected([], [], [])
     for step in STEPS:
-        now = {}
+        now = [{}, {}, {}]
         for dp_rank, requests in enumerate(step.per_dp_rank):
             for row, _ in requests:
-                now[(dp_rank, row)] = logits[(dp_rank, row)][taken[(dp_rank, row)]]
-                taken[(dp_rank, row)] += 1
-        per_step.append(now)
-    return per_step
+                for record, value in zip(now, chunks_of[(dp_rank, row)].pop(0), strict=True):
+                    record[(dp_rank, row)] = value
+        for record, values in zip((expected.logits, expected.draft_logits, expected.streams), now, strict=True):
+            record.append(values)
+    return expected
 
 
 class StatesInProcess:
@@ -95,8 +124,8 @@ class StatesInProcess:
     that reached a request's row would show.
     """
 
-    def __init__(self, network):
-        self.network = network
+    def __init__(self, new_state):
+        self.new_state = new_state
         self.states: dict[int, object] = {}
         self.spans = []
 
@@ -112,13 +141,17 @@ class StatesInProcess:
         self.spans = [span for span in request_spans(forward_batch) if span.row != 0]
         for span in self.spans:
             if span.row not in self.states:
-                self.states[span.row] = self.network.new_state()
+                self.states[span.row] = self.new_state()
 
     def attend(self, attention, layer: int, x: torch.Tensor, forward_batch) -> torch.Tensor:
+        """Layer ``layer``'s attention, or the MTP layer's at ``layer`` = the target's layer count (as the draft
+        model numbers it in the pool)."""
         out = torch.full_like(x, float("nan"))
         for span in self.spans:
+            state = self.states[span.row]
+            layer_state = state.layers[layer] if layer < len(state.layers) else state.mtp.layers[0]
             rows = slice(span.offset, span.offset + span.length)
-            out[rows] = attention(x[rows], span.start, self.states[span.row].layers[layer])
+            out[rows] = attention(x[rows], span.start, layer_state)
         return out
 
 
@@ -134,8 +167,9 @@ class _Runner:
         return False
 
 
-def _forward_batch(step: Step, dp_rank: int, seq_lens: dict[int, int]):
-    """This DP rank's forward batch as the scheduler hands it over (before SGLang's DP padding)."""
+def _forward_batch(step: Step, dp_rank: int, seq_lens: dict[int, int], draft: bool = False):
+    """This DP rank's forward batch as the scheduler hands it over (before SGLang's DP padding); the
+    draft model's reads :func:`draft_ids` (and leaves ``seq_lens`` as they were)."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
     requests = step.per_dp_rank[dp_rank]
@@ -152,7 +186,7 @@ def _forward_batch(step: Step, dp_rank: int, seq_lens: dict[int, int]):
     batch = ForwardBatch(
         forward_mode=mode,
         batch_size=len(requests),
-        input_ids=torch.tensor([t for _, ids in requests for t in ids], dtype=torch.int64),
+        input_ids=torch.tensor([t for _, ids in requests for t in (draft_ids(ids) if draft else ids)]).long(),
         req_pool_indices=rows,
         seq_lens=torch.tensor(total, dtype=torch.int64),
         out_cache_loc=torch.zeros(sum(lengths), dtype=torch.int64),
@@ -174,12 +208,18 @@ def _forward_batch(step: Step, dp_rank: int, seq_lens: dict[int, int]):
         batch.extend_seq_lens_cpu = lengths
         batch.extend_prefix_lens_cpu = prefix
         batch.extend_logprob_start_lens_cpu = lengths
-    for row, n in zip(rows.tolist(), total, strict=True):
-        seq_lens[row] = n
+    if not draft:
+        seq_lens.update(zip(rows.tolist(), total, strict=True))
     return batch
 
 
-def forward_on_rank(rank: int, port: int, path: Path, expected: list[dict]) -> None:
+def assert_logits_equal(served: torch.Tensor, oracle: torch.Tensor, where: str) -> None:
+    difference = (served - oracle).abs().max().item()
+    bound = TOLERANCE * oracle.abs().max().item()
+    assert difference <= bound, f"{where}: logits differ by {difference:.3g} > {bound:.3g}"
+
+
+def forward_on_rank(rank: int, port: int, path: Path, expected: Expected) -> None:
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -208,26 +248,40 @@ def forward_on_rank(rank: int, port: int, path: Path, expected: list[dict]) -> N
     assert (parallel.attn_tp_rank, parallel.attn_dp_rank) == (rank % ATTENTION_TP, rank // ATTENTION_TP)
 
     model = get_model(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
-    backend = StatesInProcess(model.network)
+    # The MTP layer as SGLang's EAGLE draft worker builds it: the draft architecture, the target's embedding and head.
+    draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
+    draft = get_model(model_config=draft_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
+    draft.set_embed_and_head(*model.get_embed_and_head())
+    # Each request's state as the reference network holds it: its layers' and its MTP layer's.
+    backend = StatesInProcess(load_model(path).float().new_state)
     runner = _Runner(model_config, backend)
     dp_rank = parallel.attn_dp_rank
     seq_lens: dict[int, int] = {}
     for number, step in enumerate(STEPS):
+        requests = step.per_dp_rank[dp_rank]
+        draft_batch = _forward_batch(step, dp_rank, seq_lens, draft=True)
         batch = _forward_batch(step, dp_rank, seq_lens)
         batch.prepare_mlp_sync_batch(runner)
         backend.init_forward_metadata(batch)
         with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
             output = model(batch.input_ids, batch.positions, batch)
-        requests = step.per_dp_rank[dp_rank]
-        logits = output.next_token_logits[: len(requests)]
-        for (row, _), served in zip(requests, logits, strict=True):
-            oracle = expected[number][(dp_rank, row)]
-            difference = (served - oracle).abs().max().item()
-            bound = TOLERANCE * oracle.abs().max().item()
-            assert difference <= bound, (
-                f"rank {rank}, step {number}, row {row}: logits differ by {difference:.3g} > {bound:.3g}"
-            )
+        for (row, _), served in zip(requests, output.next_token_logits[: len(requests)], strict=True):
+            oracle = expected.logits[number][(dp_rank, row)]
+            assert_logits_equal(served, oracle, f"rank {rank}, step {number}, row {row}")
+        # The draft model on the same rows, reading the oracle's target streams (padding rows: zeros).
+        draft_batch.prepare_mlp_sync_batch(runner)
+        streams = torch.zeros(draft_batch.input_ids.shape[0], draft.v4_config.hc_mult * draft.v4_config.hidden_size)
+        real = [expected.streams[number][(dp_rank, row)] for row, _ in requests]
+        if real:
+            streams[: sum(len(rows) for rows in real)] = torch.cat(real)
+        draft_batch.spec_info = SimpleNamespace(hidden_states=streams)
+        backend.init_forward_metadata(draft_batch)
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=draft_batch):
+            output = draft(draft_batch.input_ids, draft_batch.positions, draft_batch)
+        for (row, _), served in zip(requests, output.next_token_logits[: len(requests)], strict=True):
+            oracle = expected.draft_logits[number][(dp_rank, row)]
+            assert_logits_equal(served, oracle, f"draft: rank {rank}, step {number}, row {row}")
 
 
 def test_attention_tp2_by_dp2_forward_equals_one_process(tiny_path):
-    mp.spawn(forward_on_rank, args=(free_port(), tiny_path, expected_logits(tiny_path)), nprocs=RANKS)
+    mp.spawn(forward_on_rank, args=(free_port(), tiny_path, expected_outputs(tiny_path)), nprocs=RANKS)

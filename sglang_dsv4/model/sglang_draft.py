@@ -13,6 +13,10 @@ Embedding and head are the target's (SGLang calls :meth:`set_embed_and_head` wit
 :meth:`~.sglang_model.DeepseekV4ForCausalLM.get_embed_and_head`). The layer's attention state lives in the
 target's V4 pool as its last layer (``num_layers``), at the target's positions and through the same request
 tables (the draft's attention backend is built over the target's pool).
+
+SGLang runs the draft in the target's parallel layout, and so does the layer (:mod:`.sglang_model`'s helpers):
+its attention split over the ranks that hold the same requests, its streams token-sharded within them, and under
+attention DP its MoE over every DP rank's rows.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .loader import load_weights, read_safetensors, release_name
 from .network import MultiTokenPrediction, run_blocks
 from .rope import Rotary
 from .sglang_layers import SGLangLayers
+from .sglang_model import attention_layers, parallel_feed_forward, residual_of_attention_group
 
 DRAFT_ARCHITECTURE = "DeepseekV4ForCausalLMNextN"
 
@@ -44,7 +49,6 @@ class MultiTokenPredictionLayers(nn.Module):
         super().__init__()
         plain = Rotary(config.rope_head_dim, config.rope_theta, None)
         compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
-        layers = SGLangLayers(quant_config)
         self.mtp = nn.ModuleList(
             MultiTokenPrediction(
                 config,
@@ -52,8 +56,8 @@ class MultiTokenPredictionLayers(nn.Module):
                 plain,
                 compress,
                 lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
-                layers,
-                layers,
+                SGLangLayers(quant_config),
+                attention_layers(quant_config),
             )
             for i in range(config.num_mtp_layers)
         )
@@ -98,14 +102,20 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         before = forward_batch.spec_info.hidden_states.view(tokens, config.hc_mult, config.hidden_size)
         mixed = mtp.h_proj(mtp.hnorm(before.to(self.embed.weight.dtype)))
         mixed = mixed + mtp.e_proj(mtp.enorm(self.embed(input_ids))).unsqueeze(1)
+        residual = residual_of_attention_group(tokens)
         streams = run_blocks(
             [mtp],
             mixed.contiguous(),
             attend=lambda layer, block, x: attention_backend.attend(block.attn, self.pool_layer, x, forward_batch),
-            feed_forward=lambda layer, block, x: block.ffn(x, input_ids),
+            feed_forward=parallel_feed_forward(input_ids, forward_batch),
+            residual=residual,
         )
         return self.logits_processor(
-            input_ids, mtp.hidden(streams), self.head, forward_batch, hidden_states_before_norm=streams.flatten(1)
+            input_ids,
+            residual.gather(mtp.hidden(streams)),
+            self.head,
+            forward_batch,
+            hidden_states_before_norm=residual.gather(streams.flatten(1)),
         )
 
     def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from .checkpoint_check import check_checkpoint, shard_files
 from .dp_feed_forward import GatheredFeedForward
 from .loader import load_weights, read_safetensors
 from .mhc_communicator import TokenShardedResidual, TokenShards
-from .network import DeepseekV4, Residual, WholeResidual, run_blocks
+from .network import DeepseekV4, Residual, Sublayer, WholeResidual, run_blocks
 from .sglang_layers import SGLangLayers
 
 
@@ -47,15 +47,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.v4_config = served_config(config)
         # The MTP layer is the draft model's (sglang_draft.py): its tensors are checked here and skipped.
-        self.data_parallel = is_dp_attention_enabled()
         self.network = DeepseekV4(
             self.v4_config.without_mtp(),
             routed_experts=lambda config, layer: FusedRoutedExperts(config, layer, quant_config),
             layers=SGLangLayers(quant_config),
-            attention_layers=SGLangLayers(quant_config, "attn_tp" if self.data_parallel else "tp"),
+            attention_layers=attention_layers(quant_config),
         )
-        # The ranks that hold the same requests: the TP group, or under attention DP the attention-TP group.
-        self.attention_group = get_dp_tp_group()
         self.logits_processor = LogitsProcessor(config)
 
     @torch.no_grad()
@@ -75,17 +72,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         network = self.network
         attention_backend = get_attn_backend()
         streams = network.embed(input_ids).unsqueeze(1).expand(-1, self.v4_config.hc_mult, -1).contiguous()
-        residual = self._residual(input_ids.shape[0])
-        if self.data_parallel:
-            gathered = GatheredFeedForward(input_ids, forward_batch)
-            feed_forward = lambda layer, block, x: gathered(block.ffn, x)  # noqa: E731
-        else:
-            feed_forward = lambda layer, block, x: block.ffn(x, input_ids)  # noqa: E731
+        residual = residual_of_attention_group(input_ids.shape[0])
         streams = run_blocks(
             network.layers,
             streams,
             attend=lambda layer, block, x: attention_backend.attend(block.attn, layer, x, forward_batch),
-            feed_forward=feed_forward,
+            feed_forward=parallel_feed_forward(input_ids, forward_batch),
             residual=residual,
         )
         hidden = residual.gather(network.norm(network.hc_head(streams)))
@@ -100,14 +92,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and head weights SGLang's draft worker shares with the MTP layer."""
         return self.network.embed.weight, self.network.head.weight
-
-    def _residual(self, tokens: int) -> Residual:
-        """One rank per request group: the whole streams. Otherwise this rank's token shard of them, within
-        the group holding the same requests (mHC fused with the communicator, :mod:`.mhc_communicator`)."""
-        group = self.attention_group
-        if group is None or group.world_size == 1:
-            return WholeResidual()
-        return TokenShardedResidual(TokenShards(tokens, group.world_size, group.rank_in_group), group.device_group)
 
     @classmethod
     def get_model_config_for_expert_location(cls, config) -> ModelConfigForExpertLocation:
@@ -130,3 +114,28 @@ class DeepseekV4ForCausalLM(nn.Module):
             check_checkpoint(folder, self.v4_config)
             weights = read_safetensors(shard_files(folder))
         load_weights(self.network, weights, dtype=self.network.dtype)
+
+
+def attention_layers(quant_config=None) -> SGLangLayers:
+    """The attention's projections: split over the ranks that hold the same requests (the TP group, or under
+    attention DP the attention-TP group)."""
+    return SGLangLayers(quant_config, "attn_tp" if is_dp_attention_enabled() else "tp")
+
+
+def residual_of_attention_group(tokens: int) -> Residual:
+    """Where a forward of ``tokens`` keeps its streams. One rank per request group: the whole streams.
+    Otherwise this rank's token shard of them, within the group holding the same requests (the TP group, or
+    under attention DP the attention-TP group; mHC fused with the communicator, :mod:`.mhc_communicator`)."""
+    group = get_dp_tp_group()
+    if group is None or group.world_size == 1:
+        return WholeResidual()
+    return TokenShardedResidual(TokenShards(tokens, group.world_size, group.rank_in_group), group.device_group)
+
+
+def parallel_feed_forward(input_ids: torch.Tensor, forward_batch: ForwardBatch) -> Sublayer:
+    """A forward's MoE sublayer: on this rank's rows, or under attention DP over every DP rank's
+    (:class:`~.dp_feed_forward.GatheredFeedForward`, whose collectives every DP rank joins, idle ones too)."""
+    if not is_dp_attention_enabled():
+        return lambda layer, block, x: block.ffn(x, input_ids)
+    gathered = GatheredFeedForward(input_ids, forward_batch)
+    return lambda layer, block, x: gathered(block.ffn, x)

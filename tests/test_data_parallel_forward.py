@@ -224,7 +224,6 @@ def forward_on_rank(rank: int, port: int, path: Path, expected: Expected) -> Non
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import bootstrap
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_loader import get_model
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
@@ -262,12 +261,8 @@ def forward_on_rank(rank: int, port: int, path: Path, expected: Expected) -> Non
         draft_batch = _forward_batch(step, dp_rank, seq_lens, draft=True)
         batch = _forward_batch(step, dp_rank, seq_lens)
         batch.prepare_mlp_sync_batch(runner)
-        backend.init_forward_metadata(batch)
-        with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
-            output = model(batch.input_ids, batch.positions, batch)
-        for (row, _), served in zip(requests, output.next_token_logits[: len(requests)], strict=True):
-            oracle = expected.logits[number][(dp_rank, row)]
-            assert_logits_equal(served, oracle, f"rank {rank}, step {number}, row {row}")
+        output = _forward(model, batch, backend)
+        _assert_rows_equal(output, requests, expected.logits[number], dp_rank, f"rank {rank}, step {number}")
         # The draft model on the same rows, reading the oracle's target streams (padding rows: zeros).
         draft_batch.prepare_mlp_sync_batch(runner)
         streams = torch.zeros(draft_batch.input_ids.shape[0], draft.v4_config.hc_mult * draft.v4_config.hidden_size)
@@ -275,12 +270,26 @@ def forward_on_rank(rank: int, port: int, path: Path, expected: Expected) -> Non
         if real:
             streams[: sum(len(rows) for rows in real)] = torch.cat(real)
         draft_batch.spec_info = SimpleNamespace(hidden_states=streams)
-        backend.init_forward_metadata(draft_batch)
-        with forward_context(ForwardContext(attn_backend=backend), forward_batch=draft_batch):
-            output = draft(draft_batch.input_ids, draft_batch.positions, draft_batch)
-        for (row, _), served in zip(requests, output.next_token_logits[: len(requests)], strict=True):
-            oracle = expected.draft_logits[number][(dp_rank, row)]
-            assert_logits_equal(served, oracle, f"draft: rank {rank}, step {number}, row {row}")
+        output = _forward(draft, draft_batch, backend)
+        _assert_rows_equal(
+            output, requests, expected.draft_logits[number], dp_rank, f"draft: rank {rank}, step {number}"
+        )
+
+
+def _forward(model, batch, backend):
+    """``model``'s forward of ``batch`` as SGLang's runner calls it: the backend's metadata, then the forward in
+    its context."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    backend.init_forward_metadata(batch)
+    with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
+        return model(batch.input_ids, batch.positions, batch)
+
+
+def _assert_rows_equal(output, requests, oracle: dict, dp_rank: int, label: str) -> None:
+    """Each of this DP rank's requests' logits (the output's first rows) equal to the oracle's."""
+    for (row, _), served in zip(requests, output.next_token_logits[: len(requests)], strict=True):
+        assert_logits_equal(served, oracle[(dp_rank, row)], f"{label}, row {row}")
 
 
 def test_attention_tp2_by_dp2_forward_equals_one_process(tiny_path):

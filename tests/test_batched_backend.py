@@ -45,6 +45,9 @@ class TwoBackends:
     ):
         self.model = model
         self.fp8 = kv_dtype == torch.float8_e4m3fn
+        # The float32 state records, from hidden states that read FP8 rows one side rounded differently
+        # (:func:`assert_same`): within 1.4e-3 measured (decode through the graph hooks).
+        self.record_tolerance = 1e-2 if self.fp8 else 1e-5
         self.pools = []
         for _ in range(2):
             pool = V4KVPool(TOKENS, 1, model.config, kv_dtype, ROWS - 1, CONTEXT, "cpu")
@@ -103,8 +106,8 @@ class TwoBackends:
                     torch.testing.assert_close(
                         batched_pool.storage.checkpoint_state[key][checkpoint.record],
                         records[reference_checkpoint.record],
-                        rtol=1e-5,
-                        atol=1e-5,
+                        rtol=self.record_tolerance,
+                        atol=self.record_tolerance,
                         msg=f"checkpoint at {checkpoint.position} of row {row}, {key}",
                     )
                 reference_pool.checkpoints.release(reference_checkpoint)
@@ -123,7 +126,8 @@ class TwoBackends:
 
         The record one step back is compared only for rows whose last forward ran one token:
         only then is it read (:meth:`~sglang_dsv4.prefix_cache.checkpoints.Checkpoints.make`).
-        FP8 rows are compared as values, within one FP8 rounding (:func:`assert_fp8_rows_within_a_rounding`).
+        FP8 rows are compared as values, within one FP8 rounding (:func:`assert_fp8_rows_within_a_rounding`),
+        the state records within ``record_tolerance``.
         """
         reference, other = self.pools
         one_step = torch.tensor(
@@ -139,8 +143,9 @@ class TwoBackends:
                     row_format = formats.formats.entries if name == "window" else formats.row_formats[key]
                     assert_fp8_rows_within_a_rounding(expected[key][rows], actual[key][rows], row_format)
                     continue
+                tolerance = self.record_tolerance
                 torch.testing.assert_close(
-                    actual[key][rows], expected[key][rows], rtol=1e-5, atol=1e-5, msg=f"{name} {key}"
+                    actual[key][rows], expected[key][rows], rtol=tolerance, atol=tolerance, msg=f"{name} {key}"
                 )
 
     def checkpoint(self, row: int, position: int, slots: torch.Tensor):
@@ -217,11 +222,12 @@ def test_requests_resumed_from_checkpoints_next_to_cold_ones(tiny_model, kv_dtyp
     pair.assert_same_pools()
 
 
-def test_snapshots_inside_a_forward_fill_the_checkpoint_records(tiny_model):
-    pair = TwoBackends(tiny_model, snapshot_interval=50, snapshot_before_extend_end=True)
-    assert_same(pair.forward([1, 2], [300, 131]))  # 50, 100, ..., and one before each prompt's end
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
+def test_snapshots_inside_a_forward_fill_the_checkpoint_records(tiny_model, kv_dtype):
+    pair = TwoBackends(tiny_model, snapshot_interval=50, snapshot_before_extend_end=True, kv_dtype=kv_dtype)
+    assert_same(pair.forward([1, 2], [300, 131]), kv_dtype)  # 50, 100, ..., and one before each prompt's end
     assert pair.filled == 6 + 1 + 2 + 1
-    assert_same(pair.forward([2, 1], [129, 64]))  # 150, 200, 250, 259; 350, 363
+    assert_same(pair.forward([2, 1], [129, 64]), kv_dtype)  # 150, 200, 250, 259; 350, 363
     assert pair.filled == 10 + 4 + 2
     pair.assert_same_pools()
 
@@ -316,13 +322,16 @@ def padding_writes(index: batched.ForwardIndex, requests: int) -> dict[str, torc
     return writes
 
 
-def test_decode_replayed_through_the_graph_hooks_equals_the_reference_and_pads_into_padding_rows(tiny_model):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8"])
+def test_decode_replayed_through_the_graph_hooks_equals_the_reference_and_pads_into_padding_rows(
+    tiny_model, kv_dtype
+):
     # Five requests at different positions modulo 4 and 128 decode 14 steps through graphs of sizes
     # 4 and 8 (3 real rows padded to 4, or 5 to 8), with checkpoints every 12 tokens landing on
     # decode steps; the capture's warm-up forwards (all padding) come first, on the same pool.
-    pair = TwoBackends(tiny_model)
+    pair = TwoBackends(tiny_model, kv_dtype=kv_dtype)
     rows = [1, 2, 3, 4, 5]
-    assert_same(pair.forward(rows, [125, 130, 255, 3, 62]))
+    assert_same(pair.forward(rows, [125, 130, 255, 3, 62]), kv_dtype)
     with_device_twins(pair.pools[1].storage.tables)  # the graph reads what the hooks flushed, as on a GPU
     graph = DecodeGraphRunner(pair.pools[1], tiny_model, sizes=[1, 4, 8])
     graph.capture()
@@ -330,7 +339,7 @@ def test_decode_replayed_through_the_graph_hooks_equals_the_reference_and_pads_i
     pair.each_pool(lambda pool: setattr(pool.checkpoints, "interval", 12))
     for step in range(14):
         batch = rows[:3] if step % 2 else rows
-        assert_same(pair.forward(batch, [1] * len(batch), decode_graph=graph))
+        assert_same(pair.forward(batch, [1] * len(batch), decode_graph=graph), kv_dtype)
     pair.assert_same_pools()
     assert pair.filled == 4  # at 132 (rows 1 and 2), 144 (row 2) and 264 (row 3), in graphs of both sizes
 

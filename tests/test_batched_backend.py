@@ -4,7 +4,8 @@ Two pools of one configuration go through the same operations (binding rows, res
 checkpoints, resumes); one forward runs the network with the reference backend on the first,
 the batched core on the second. The logits must agree (float32, 1e-5 of their scale), and so
 must every row the forward wrote: window slots, compressed entries, indexer keys, state
-records, the records one step back and the checkpoint records.
+records, the records one step back and the checkpoint records. Over FP8 pools (``--kv-cache-dtype
+fp8_e4m3``) both sides round the same values to FP8, and agree within one rounding (:func:`assert_same`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from kernel_testing import (
     run_under_interpreter,
 )
 
-from sglang_dsv4.kernels.kv_format import PlainRows
+from sglang_dsv4.kernels.kv_format import Fp8EntryRows, PlainRows
 from sglang_dsv4.model.compressor import Compressor
 from sglang_dsv4.model.rope import Rotary
 
@@ -199,7 +199,9 @@ def test_chunks_without_tokens_are_refused(kernel):
 
 
 @interpreted_only
-@pytest.mark.parametrize("stored_dtype", [torch.float32, torch.bfloat16], ids=["in_kernel", "encoded_after"])
+@pytest.mark.parametrize(
+    "stored_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["in_kernel", "encoded_after", "fp8"]
+)
 @pytest.mark.parametrize("ratio,overlapping", KINDS)
 def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
     kernel, monkeypatch, ratio, overlapping, stored_dtype
@@ -207,7 +209,8 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
     """The batched core's decode step on CUDA (``batched._advance`` where dispatch chooses the decode kernel)
     writes what its torch pools of any forward (``batched._advance_pooled``) write: entry rows, states, the
     records one step back, snapshots. Entries stored in the projections' dtype are written by the kernel
-    itself (``in_kernel``: one launch); stored in another, they are encoded and copied after it.
+    itself (``in_kernel``: one launch); stored in another, they are encoded and copied after it (``fp8``: DeepSeek's
+    FP8 rows, encoded by their Triton launch).
 
     Requests sit at every kind of position (the first token, inside a block, a block's last token, the
     first after one), two padded rows decode position 0 of row 0, some rows take a snapshot; the
@@ -238,11 +241,12 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
             state[row, 2] = float("nan")  # the block before
     fresh = {"state": state, "previous": torch.randn_like(state), "checkpoint": torch.randn(5, pools, 3, DIM)}
     torch_side = {name: tensor.clone() for name, tensor in fresh.items()}
-    entries = torch.randn(1 + request_rows * blocks, DIM).to(stored_dtype)
+    fp8 = stored_dtype == torch.float8_e4m3fn
+    stored_as = Fp8EntryRows(DIM, ROPE_DIM) if fp8 else PlainRows(DIM, stored_dtype)
+    entries = stored_as.encode(torch.randn(1 + request_rows * blocks, DIM))
     torch_entries = entries.clone()
     x = torch.randn(len(rows), HIDDEN)
     with torch.no_grad():
-        stored_as = PlainRows(DIM, entries.dtype)
         pooled = dataclasses.replace(index, one_token_each=False)
         batched._advance(
             compressor, x, pooled, batched._Rows(torch_entries, stored_as), batched._StateRecords(**torch_side)
@@ -255,8 +259,13 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
         assert equal_nan or not torch.isnan(actual).any(), f"{what}: NaN (a poisoned pool read, or unwritten)"
         torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, equal_nan=equal_nan, msg=what)
 
-    rounding = 1e-5 if stored_dtype == torch.float32 else 1e-2  # bf16 rows: one step of rounding either way
-    same(entries[1:], torch_entries[1:], "entry rows", tol=rounding)  # row 0: the padding entry
+    # Row 0: the padding entry. bf16 rows: one step of rounding either way; FP8 rows: each within one FP8 step.
+    if fp8:
+        kernel_rows, torch_rows = (stored_as.decode(rows[1:], torch.float32) for rows in (entries, torch_entries))
+        assert ((kernel_rows - torch_rows).norm(dim=1) <= 0.125 * torch_rows.norm(dim=1)).all(), "entry rows"
+    else:
+        rounding = 1e-5 if stored_dtype == torch.float32 else 1e-2
+        same(entries[1:], torch_entries[1:], "entry rows", tol=rounding)
     same(fresh["state"][1:], torch_side["state"][1:], "states")
     real = rows[rows > 0]
     same(fresh["previous"][real], torch_side["previous"][real], "records one step back", equal_nan=True)

@@ -1,4 +1,8 @@
-"""The V4 pool keeps exactly the network's per-request state: load/store round trips."""
+"""The V4 pool keeps exactly the network's per-request state: load/store round trips.
+
+Chunked and resumed forwards run over float32 pools against the network itself, and over FP8 pools (in
+float64 compute) against one forward of the same tokens through an FP8 pool: both read the rows as stored.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +20,25 @@ from sglang_dsv4.prefix_cache.window_policy import ALL_COMMITTED, PER_REQUEST
 from sglang_dsv4.model.state import RequestState
 
 
+def cold_logits(model, kv_dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: ``ids`` in one forward from no state, attending the KV as a pool of ``kv_dtype`` stores it
+    (float32: the network's own state, which stores nothing)."""
+    if kv_dtype == torch.float32:
+        return model(ids, model.new_state())
+    pool = V4KVPool(1024, 1, model.config, kv_dtype, max_requests=1, max_context=1024, device="cpu")
+    return run_through_pool(model, pool, 1, ids, [len(ids)])
+
+
 def run_through_pool(model, pool: V4KVPool, request: int, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of ``ids`` fed in ``chunks``, the state living in the pool between chunks."""
+    """Logits of ``ids`` fed in ``chunks``, the state living in the pool between chunks (its KV read in the
+    model's dtype)."""
     logits, start = [], pool.storage.tables.position[request]
     if not pool.storage.tables.bound[request]:
         pool.storage.tables.bind(request)
     for length in chunks:
         end = start + length
         pool.manager.reserve(request, end)
-        layers = [pool.storage.load(layer, request, start, torch.float32) for layer in range(model.config.num_layers)]
+        layers = [pool.storage.load(layer, request, start, model.dtype) for layer in range(model.config.num_layers)]
         state = RequestState(start, layers)
         logits.append(model(ids[start:end], state))
         for layer, layer_state in enumerate(state.layers):
@@ -33,12 +47,13 @@ def run_through_pool(model, pool: V4KVPool, request: int, ids: torch.Tensor, chu
     return torch.cat(logits)
 
 
-def test_state_resumed_from_the_pool_equals_the_networks_own(tiny_model):
-    ids = random_ids(300, tiny_model.config.vocab_size, seed=80)
-    pool = V4KVPool(1024, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+def test_state_resumed_from_the_pool_equals_the_networks_own(model_and_kv_dtype):
+    model, kv_dtype = model_and_kv_dtype
+    ids = random_ids(300, model.config.vocab_size, seed=80)
+    pool = V4KVPool(1024, 1, model.config, kv_dtype, max_requests=4, max_context=1024, device="cpu")
     chunks = [130, 1, 1, 97, 71]  # ends inside ratio-4 and ratio-128 blocks
-    through_pool = run_through_pool(tiny_model, pool, 3, ids, chunks)
-    assert (through_pool - tiny_model(ids, tiny_model.new_state())).abs().max() <= 1e-4
+    through_pool = run_through_pool(model, pool, 3, ids, chunks)
+    assert (through_pool - cold_logits(model, kv_dtype, ids)).abs().max() <= 1e-4
 
 
 def test_a_reused_request_row_starts_from_an_empty_state(tiny_model):
@@ -83,31 +98,32 @@ def test_a_lossy_pool_stores_its_rows_and_keeps_the_greedy_choices(
     assert (through_pool.argmax(-1) == exact.argmax(-1)).float().mean() >= greedy_kept
 
 
-def test_a_checkpoint_resumes_exactly_on_another_row(tiny_model):
-    ids = random_ids(400, tiny_model.config.vocab_size, seed=85)
-    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
-    run_through_pool(tiny_model, pool, 1, ids, [130, 67])  # 197: inside a ratio-4 and a ratio-128 block
+def test_a_checkpoint_resumes_exactly_on_another_row(model_and_kv_dtype):
+    model, kv_dtype = model_and_kv_dtype
+    ids = random_ids(400, model.config.vocab_size, seed=85)
+    pool = V4KVPool(2048, 1, model.config, kv_dtype, max_requests=4, max_context=1024, device="cpu")
+    run_through_pool(model, pool, 1, ids, [130, 67])  # 197: inside a ratio-4 and a ratio-128 block
     slots = torch.arange(1, 198)  # the token slots a prefix cache would hold for them
     pool.entry_ownership.commit(1, slots, 0, 197)
     checkpoint = pool.checkpoints.make(1, 197)
     pool.storage.tables.free(1)  # the checkpoint and the slots keep what they point at
     pool.checkpoints.resume(2, checkpoint, slots)
-    resumed = run_through_pool(tiny_model, pool, 2, ids[:400], [203])
-    cold = tiny_model(ids, tiny_model.new_state())
-    assert (resumed - cold[197:]).abs().max() <= 1e-4
+    resumed = run_through_pool(model, pool, 2, ids[:400], [203])
+    assert (resumed - cold_logits(model, kv_dtype, ids)[197:]).abs().max() <= 1e-4
 
 
-def test_a_checkpoint_one_decode_step_late_uses_the_state_before_it(tiny_model):
+def test_a_checkpoint_one_decode_step_late_uses_the_state_before_it(model_and_kv_dtype):
     # SGLang's overlap scheduler runs the next decode step before it checkpoints this one.
-    ids = random_ids(300, tiny_model.config.vocab_size, seed=86)
-    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
-    run_through_pool(tiny_model, pool, 1, ids, [259, 1])
+    model, kv_dtype = model_and_kv_dtype
+    ids = random_ids(300, model.config.vocab_size, seed=86)
+    pool = V4KVPool(2048, 1, model.config, kv_dtype, max_requests=4, max_context=1024, device="cpu")
+    run_through_pool(model, pool, 1, ids, [259, 1])
     slots = torch.arange(1, 260)
     pool.entry_ownership.commit(1, slots, 0, 259)
     checkpoint = pool.checkpoints.make(1, 259)
     pool.checkpoints.resume(3, checkpoint, slots)
-    resumed = run_through_pool(tiny_model, pool, 3, ids, [41])
-    assert (resumed - tiny_model(ids, tiny_model.new_state())[259:]).abs().max() <= 1e-4
+    resumed = run_through_pool(model, pool, 3, ids, [41])
+    assert (resumed - cold_logits(model, kv_dtype, ids)[259:]).abs().max() <= 1e-4
 
 
 def test_checkpoints_and_requests_return_every_row_they_shared(tiny_model):
@@ -141,7 +157,7 @@ def forward_with_snapshots(model, pool: V4KVPool, request: int, ids: torch.Tenso
     """Logits of tokens ``start .. end - 1`` of ``ids`` from the pool's state, filling the snapshots
     the pool planned for the forward as the attention backend does (in pieces ending at them)."""
     state = RequestState(
-        start, [pool.storage.load(layer, request, start, torch.float32) for layer in range(len(model.layers))]
+        start, [pool.storage.load(layer, request, start, model.dtype) for layer in range(len(model.layers))]
     )
     ends = [(c.position, c) for c in pool.checkpoints.between(request, start, end)]
     logits = []
@@ -155,9 +171,12 @@ def forward_with_snapshots(model, pool: V4KVPool, request: int, ids: torch.Tenso
     return torch.cat(logits)
 
 
-def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_rest_resume_exactly(tiny_model, caplog):
-    ids = random_ids(400, tiny_model.config.vocab_size, seed=88)
-    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_rest_resume_exactly(
+    model_and_kv_dtype, caplog
+):
+    model, kv_dtype = model_and_kv_dtype
+    ids = random_ids(400, model.config.vocab_size, seed=88)
+    pool = V4KVPool(2048, 1, model.config, kv_dtype, max_requests=4, max_context=1024, device="cpu")
     make_scarce(pool, "records", 2)
     pool.checkpoints.interval = 64
     pool.storage.tables.bind(1)
@@ -166,14 +185,14 @@ def test_snapshots_beyond_the_records_are_skipped_counted_logged_once_and_the_re
     assert [c.position for c in pool.checkpoints.pending[1]] == [64, 128]
     assert dict(pool.checkpoints.skipped) == {"records": 4, "window_slots": 0}
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1  # once per interval
-    cold = tiny_model(ids, tiny_model.new_state())
-    assert (forward_with_snapshots(tiny_model, pool, 1, ids, 0, 400) - cold).abs().max() <= 1e-4
+    cold = cold_logits(model, kv_dtype, ids)
+    assert (forward_with_snapshots(model, pool, 1, ids, 0, 400) - cold).abs().max() <= 1e-4
     slots = torch.arange(1, 401)
     pool.entry_ownership.commit(1, slots, 0, 400)
     snapshot = pool.checkpoints.take(1, 400)[-1]
     pool.checkpoints.resume(2, snapshot, slots)
     pool.manager.reserve(2, 400)
-    assert (forward_with_snapshots(tiny_model, pool, 2, ids, 128, 400) - cold[128:]).abs().max() <= 1e-4
+    assert (forward_with_snapshots(model, pool, 2, ids, 128, 400) - cold[128:]).abs().max() <= 1e-4
 
 
 def test_a_forwards_own_window_slots_are_found_by_dropping_snapshots_not_taken_yet(tiny_model):

@@ -12,6 +12,7 @@ Random configs are served at DP against their single-process server in ``test_ra
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from launch_checks import config_only_checkpoint, refusal_at_resolution
 from random_configs import random_v4_config
 from serving_checks import assert_healthy, assert_pools_idle, reported_if_down
-from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, concurrently, random_round
+from test_pool_exhaustion_server import SERVERS, assert_equal_to_cold_runs, cold_run, concurrently, random_round
 from test_prefix_cache_server import set_modes
 from test_untrusted_requests import CONTAINED_FAILURE, REQUESTS_PER_BATCH, assert_refused, post, probes, send
 
@@ -373,7 +374,7 @@ def test_random_load_on_scarce_token_slots_keeps_both_ranks_exact_and_returns_ev
                 assert set(state["dsv4_prefix_cache"]["rows_miscounted"].values()) == {0}
     finally:
         set_modes(dp2, prefix_hits="exact", window_policy="per_request")
-    assert_equal_to_cold_runs(dp2, jobs, outputs)
+    assert_equal_to_cold_runs(jobs, outputs, functools.partial(cold_run, dp2))
     assert_pools_idle(dp2)
 
 

@@ -2,11 +2,13 @@
 
 Each server is small in one way: one request row (its window slots and checkpoint records run
 short under long chunked prefills), eight rows in aligned mode (many snapshots per chunk), or
-few token slots (SGLang queues and retracts). Rounds of concurrent requests — long prompts,
+few token slots (SGLang queues and retracts), and the last with speculation (EAGLE with the tiny
+checkpoint's random MTP layer, so nearly every draft is rolled back: verifies reserve their drafts' rows,
+retractions come mid-speculation). Rounds of concurrent requests — long prompts,
 forks of earlier ones, ``n > 1``, clients that disconnect mid-stream — run under modes switched
 at random between rounds through ``/set_internal_state``. Every request gets HTTP 200, every
-greedy output equals a cold run's (the same prompt alone on a flushed cache), the server stays
-up, and every pool is whole after a flush.
+greedy output equals a cold run's (the same prompt alone on a flushed cache; under speculation the
+network's greedy decode without it), the server stays up, and every pool is whole after a flush.
 
 The two commands of issue 17 (whose admission raised ``PoolExhausted: checkpoint records: 1 rows
 wanted, 0 free`` from ``maybe_hand_to_session -> reserve -> _plan_snapshots`` and stopped the
@@ -36,18 +38,25 @@ forwards' snapshots and all_committed tokens, which nothing let go of.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
+import torch
 from serving_checks import assert_healthy, assert_pools_idle, generate
 from test_prefix_cache_server import flush, prefix_cache_state, set_modes
 
+from sglang_dsv4 import load_model
 from sglang_dsv4.launch import running_server
+from sglang_dsv4.model.network import DeepseekV4
+from sglang_dsv4.model.speculative import greedy_decode, read_prompt
 from sglang_dsv4.prefix_cache import PREFIX_HITS, WINDOW_POLICIES
+from sglang_dsv4.speculation import SPECULATION
 
 VOCAB = 1024
 ROUNDS, REQUESTS_PER_ROUND = len(PREFIX_HITS), 4
@@ -62,6 +71,9 @@ class Scarce:
     env: dict[str, str]
     longest_prompt: int
     longest_output: int = 12
+    # Drafting with the checkpoint's MTP layer: outputs are checked against the network's greedy decode without
+    # speculation, in process, rather than against the server's own cold runs.
+    speculating: bool = False
 
 
 SERVERS = {
@@ -91,15 +103,31 @@ SERVERS = {
         900,
         longest_output=120,
     ),
+    # The same token pool under speculation: every verify reserves its drafts' rows and slots, so decode
+    # outgrows the pool sooner and SGLang retracts requests mid-speculation.
+    "few_tokens_speculating": Scarce(
+        "few_tokens_speculating",
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600",
+         "--schedule-conservativeness", "0.1", *SPECULATION),
+        {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
+        900,
+        longest_output=120,
+        speculating=True,
+    ),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
 def scarce_server(request, tiny_path, log_dir):
+    """The server, its configuration and the oracle of a job's output: its prompt alone on the flushed server, or
+    on a speculating server the network's greedy decode without speculation."""
     scarce = SERVERS[request.param]
     args = ("--dtype", "float32", "--skip-tokenizer-init", *scarce.args)
     with running_server(tiny_path, *args, log_path=server_log(log_dir, scarce), env=scarce.env) as url:
-        yield url, scarce
+        if scarce.speculating:
+            yield url, scarce, functools.partial(greedy_without_speculation, load_model(tiny_path).float())
+        else:
+            yield url, scarce, functools.partial(cold_run, url)
 
 
 def server_log(log_dir: Path, scarce: Scarce) -> Path:
@@ -117,6 +145,9 @@ class Job:
     # (a fraction of max_new_tokens) and retracts it if that was too low; otherwise on all of it.
     until_eos: bool = False
     rank: int | None = None  # the DP rank it is pinned to (``routed_dp_rank``) on an attention-DP server
+
+
+Cold = Callable[[Job], list[int]]  # the oracle of a job's output
 
 
 def run(url: str, job: Job) -> list[list[int]] | None:
@@ -141,14 +172,28 @@ def concurrently(url: str, jobs: list[Job]) -> list[list[list[int]] | None]:
         return list(executor.map(lambda job: run(url, job), jobs))
 
 
-def assert_equal_to_cold_runs(url: str, jobs: list[Job], outputs: list[list[list[int]] | None]) -> None:
-    """Each finished job's outputs equal its prompt's greedy output alone on a flushed cache."""
+def assert_equal_to_cold_runs(jobs: list[Job], outputs: list[list[list[int]] | None], cold: Cold) -> None:
+    """Each finished job's outputs equal its prompt's cold greedy output (``cold``: see :func:`scarce_server`)."""
     for job, samples in zip(jobs, outputs, strict=True):
         if samples is None:
             continue
-        flush(url)
-        (cold,) = run(url, Job(job.ids, job.new_tokens, until_eos=job.until_eos))
-        assert samples == [cold] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
+        assert samples == [cold(job)] * job.samples, f"a {len(job.ids)}-token prompt's output differs from a cold run's"
+
+
+def cold_run(url: str, job: Job) -> list[int]:
+    """The job's prompt alone on the flushed server."""
+    flush(url)
+    (cold,) = run(url, Job(job.ids, job.new_tokens, until_eos=job.until_eos))
+    return cold
+
+
+def greedy_without_speculation(model: DeepseekV4, job: Job) -> list[int]:
+    """The network's greedy tokens for the job, in process, one token a forward (up to its first EOS when the job
+    may stop there)."""
+    tokens = greedy_decode(model, read_prompt(model, torch.tensor(job.ids)), job.new_tokens)
+    if job.until_eos and model.config.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(model.config.eos_token_id) + 1]
+    return tokens
 
 
 def random_round(rng: random.Random, earlier: list[list[int]], scarce: Scarce) -> list[Job]:
@@ -169,7 +214,7 @@ def random_round(rng: random.Random, earlier: list[list[int]], scarce: Scarce) -
 
 
 def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
-    url, scarce = scarce_server
+    url, scarce, cold = scarce_server
     if scarce.name == "one_row":
         # Issue 17's first command (default modes), one row: two 4,200-token prompts, 4,096-token chunks.
         jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(4200)], 4) for seed in range(2)]
@@ -189,14 +234,14 @@ def test_the_issues_commands_scaled_down_are_served_and_exact(scarce_server):
         assert_healthy(url)
         if scarce.name == "eight_rows":
             assert prefix_cache_state(url)["checkpoints_skipped"]["window_slots"] > 0
-        assert_equal_to_cold_runs(url, jobs, outputs)
+        assert_equal_to_cold_runs(jobs, outputs, cold)
     finally:
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     assert_pools_idle(url)
 
 
 def test_issue_22s_command_aligned_all_committed_four_8000_token_prompts_is_served_and_exact(scarce_server):
-    url, scarce = scarce_server
+    url, scarce, cold = scarce_server
     if scarce.name != "eight_rows":
         pytest.skip("issue 22's command runs on the eight_rows server (its server arguments)")
     jobs = [Job([random.Random(seed).randrange(VOCAB) for _ in range(8000)], 8) for seed in range(4)]
@@ -206,14 +251,14 @@ def test_issue_22s_command_aligned_all_committed_four_8000_token_prompts_is_serv
         outputs = concurrently(url, jobs)
         assert_healthy(url)
         assert set(prefix_cache_state(url)["rows_miscounted"].values()) == {0}
-        assert_equal_to_cold_runs(url, jobs, outputs)
+        assert_equal_to_cold_runs(jobs, outputs, cold)
     finally:
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     assert_pools_idle(url)
 
 
 def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_every_row(scarce_server):
-    url, scarce = scarce_server
+    url, scarce, cold = scarce_server
     rng = random.Random(scarce.name)
     flush(url)
     jobs, outputs = [], []
@@ -232,7 +277,7 @@ def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     state = prefix_cache_state(url)
     print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
-    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_equal_to_cold_runs(jobs, outputs, cold)
     assert_pools_idle(url)
 
 
@@ -241,9 +286,9 @@ RETRACTION_LOGGED = "KV cache pool is full. Retract requests."
 
 
 def test_requests_retracted_when_decode_outgrows_the_token_pool_finish_exact(scarce_server, log_dir):
-    url, scarce = scarce_server
-    if scarce.name != "few_tokens":
-        pytest.skip("the token pool runs out in decode on the few_tokens server")
+    url, scarce, cold = scarce_server
+    if not scarce.name.startswith("few_tokens"):
+        pytest.skip("the token pool runs out in decode on the few_tokens servers")
     # Four prompts admitted together (SGLang counts the whole output of the one it admits, a tenth of
     # the rest of those running) whose outputs then do not fit the 2,600 token slots: 4 x (500 + 200)
     # tokens (seeds whose greedy outputs do not reach EOS by then).
@@ -255,5 +300,5 @@ def test_requests_retracted_when_decode_outgrows_the_token_pool_finish_exact(sca
     outputs = concurrently(url, jobs)
     assert_healthy(url)
     assert log.read_text().count(RETRACTION_LOGGED) > logged_before, "SGLang never retracted a request"
-    assert_equal_to_cold_runs(url, jobs, outputs)
+    assert_equal_to_cold_runs(jobs, outputs, cold)
     assert_pools_idle(url)

@@ -41,13 +41,15 @@ def mtp_forward(model, streams: torch.Tensor, ids: torch.Tensor, attend) -> tupl
 @torch.no_grad()
 def draft_chain(model, backend: DraftDecodeBackend, streams: torch.Tensor, tokens: torch.Tensor, batch):
     """SGLang's ``draft_forward`` (topk 1): step ``i`` runs ``attn_backends[i]`` on the previous step's streams and
-    greedy tokens; the drafted tokens ``[n, steps]`` and each step's logits."""
+    greedy tokens, then moves the batch's ``positions`` on by one; the drafted tokens ``[n, steps]`` and each step's
+    logits."""
     layer, drafted, logits = model.config.num_layers, [], []
     for step in backend.attn_backends:
         step_logits, streams = mtp_forward(
             model, streams, tokens, lambda attention, x, step=step: step.attend(attention, layer, x, batch)
         )
         tokens = step_logits.argmax(-1)
+        batch.positions.add_(1)
         drafted.append(tokens)
         logits.append(step_logits)
     return torch.stack(drafted, dim=1), torch.stack(logits, dim=1)
@@ -96,7 +98,9 @@ class DraftGraphRunner:
     def _run_graph(self, size: int):
         view = self._view(size)
         self.backend.init_forward_metadata_in_graph(view)
-        return draft_chain(self.model, self.backend, self.streams[:size], self.tokens[:size], view)
+        drafted = draft_chain(self.model, self.backend, self.streams[:size], self.tokens[:size], view)
+        view.positions.sub_(len(self.backend.attn_backends))  # the runner's graph sets them back
+        return drafted
 
     def capture(self) -> None:
         for size in reversed(self.sizes):

@@ -113,11 +113,14 @@ def verify_tokens() -> int:
 def check_speculation(view: Any, hf_config: Any) -> None:
     """Refuse, naming what is missing, a speculative configuration this package does not serve for a V4
     checkpoint: an algorithm other than EAGLE (NEXTN), a draft tree (topk > 1), a verify width other than
-    the chain's, draft steps after the first on a platform that captures decode graphs (SGLang captures the
-    target's verify batches, which the batched backend's graph hooks index, and the draft steps, which the
-    draft backend does not run in graphs yet; it captures no draft-extend graph for this package's backend),
-    a separate draft model, a checkpoint without an MTP layer, or attention DP (not served yet: --tp alone
-    is)."""
+    the chain's, a separate draft model, a checkpoint without an MTP layer, draft steps after the first of a
+    compressed MTP layer on a platform that captures decode graphs, or attention DP (not served yet: --tp alone
+    is).
+
+    Where decode graphs are captured SGLang captures the target's verify batches (the batched backend's graph
+    hooks index them) and the draft steps after the first (the draft backend runs them on scratch rows of a
+    window-only MTP layer, as the releases have it: :class:`~.attention_backend.batched.DraftChain`); it captures
+    no draft-extend graph for this package's backend."""
     algorithm = view.speculative_algorithm
     if algorithm is None:
         return
@@ -135,12 +138,6 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-num-draft-tokens {drafts}: a chain of --speculative-num-steps {steps} drafts is verified "
             f"as {steps + 1} tokens"
         )
-    if captures_decode_graphs(view) and steps != 1:
-        raise ConfigError(
-            f"--speculative-num-steps {steps if steps is not None else '(unset)'}: SGLang would capture the draft "
-            "steps after the first in CUDA graphs, which do not run the MTP layer's draft steps yet (the verify "
-            "batches do); use --speculative-num-steps 1 --speculative-num-draft-tokens 2, or add --disable-cuda-graph"
-        )
     if view.attn_dp_size != 1:
         raise ConfigError(
             f"--speculative-algorithm {algorithm}: not served under attention DP yet (got attention DP "
@@ -152,10 +149,19 @@ def check_speculation(view: Any, hf_config: Any) -> None:
             f"--speculative-draft-model-path {view.speculative_draft_model_path}: DeepSeek-V4 drafts with the MTP "
             "layer of its own checkpoint; leave it unset"
         )
-    if served_config(hf_config).num_mtp_layers != 1 or not _holds_mtp_tensors(model_path, hf_config):
+    config = served_config(hf_config)
+    if config.num_mtp_layers != 1 or not _holds_mtp_tensors(model_path, hf_config):
         raise ConfigError(
             f"--speculative-algorithm {algorithm}: the checkpoint has no MTP layer to draft with "
             "(num_nextn_predict_layers: 1 and mtp.* tensors)"
+        )
+    mtp_kind = config.layer_kind(config.num_layers)
+    if captures_decode_graphs(view) and steps != 1 and mtp_kind != "window":
+        raise ConfigError(
+            f"--speculative-num-steps {steps if steps is not None else '(unset)'}: SGLang would capture the draft "
+            "steps after the first in CUDA graphs, which run a window-only MTP layer's draft steps, not this "
+            f"checkpoint's {mtp_kind} one; use --speculative-num-steps 1 --speculative-num-draft-tokens 2, or add "
+            "--disable-cuda-graph"
         )
 
 

@@ -294,17 +294,20 @@ def test_unserved_speculation_is_refused_at_start_naming_it(tmp_path, sglang_wit
     assert named in refusal_at_resolution(checkpoint, *flags)
 
 
-def test_draft_steps_are_refused_where_graphs_are_captured_and_a_verify_alone_is_served(monkeypatch):
+def test_draft_steps_are_served_where_graphs_are_captured_and_refused_only_for_a_compressed_mtp_layer(monkeypatch):
     # SGLang captures the target's verify batches, which the batched backend's graph hooks index
-    # (test_batched_backend.py drives them), and the draft steps after the first, which the draft backend does not
-    # run in graphs: a platform that captures graphs (CUDA) serves a chain of one draft, and refuses more with the
-    # way out. The CPU platform captures none, so it serves any chain.
+    # (test_batched_backend.py drives them), and the draft steps after the first, which the draft backend runs on
+    # scratch rows of a window-only MTP layer, as the releases have it (test_draft_decode.py drives them): a
+    # platform that captures graphs (CUDA) serves any chain of such a layer, and refuses more than one draft of a
+    # compressed one with the way out. The CPU platform captures none, so it serves any chain.
     from sglang.srt.platforms import current_platform
     from sglang.srt.platforms.interface import PlatformCapabilities
 
     from sglang_dsv4.served_config import CHECKPOINT_CONFIG
 
-    hf_config = SimpleNamespace(_name_or_path="a-hub/tiny-v4", **{CHECKPOINT_CONFIG: TINY_CONFIG})  # config's word
+    def hf_config(mtp_ratio: int) -> SimpleNamespace:
+        raw = {**TINY_CONFIG, "compress_ratios": [*TINY_CONFIG["compress_ratios"], mtp_ratio]}
+        return SimpleNamespace(_name_or_path="a-hub/tiny-v4", **{CHECKPOINT_CONFIG: raw})  # the config's word
 
     def view(decode_graphs: str, steps: int | None) -> SimpleNamespace:
         return SimpleNamespace(
@@ -313,12 +316,14 @@ def test_draft_steps_are_refused_where_graphs_are_captured_and_a_verify_alone_is
             tp_size=1, attn_dp_size=1, cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=decode_graphs)),
         )  # fmt: skip
 
+    window, compressed = hf_config(0), hf_config(128)
     assert not speculation.captures_decode_graphs(view("full", 3))
-    speculation.check_speculation(view("full", 3), hf_config)
+    speculation.check_speculation(view("full", 3), compressed)
     monkeypatch.setattr(type(current_platform), "capabilities", PlatformCapabilities(graph_capture=True))
-    for steps in (3, None):
-        with pytest.raises(ConfigError, match="not run the MTP layer's draft steps yet .* --speculative-num-steps 1"):
-            speculation.check_speculation(view("full", steps), hf_config)
-    speculation.check_speculation(view("full", 1), hf_config)
-    speculation.check_speculation(view("disabled", 3), hf_config)
+    for steps in (3, 5, None):
+        speculation.check_speculation(view("full", steps), window)
+        with pytest.raises(ConfigError, match="window-only MTP layer's draft steps, not this checkpoint's hca one"):
+            speculation.check_speculation(view("full", steps), compressed)
+    speculation.check_speculation(view("full", 1), compressed)
+    speculation.check_speculation(view("disabled", 3), compressed)
     assert not speculation.captures_decode_graphs(view("disabled", 3))

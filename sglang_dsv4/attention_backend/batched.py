@@ -27,7 +27,7 @@ Imports nothing from SGLang: the pool is read through the attributes :class:`Poo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -409,6 +409,93 @@ class VerifyGraphIndex:
         return _copy_into(self.buffers, index)
 
 
+def build_draft_step_index(
+    chain_starts: torch.Tensor, step: int, forwards: int, config: DeepseekV4Config
+) -> ForwardIndex:
+    """Step ``step`` of a chain of ``forwards`` one-token draft forwards of a window-only layer over its scratch
+    rows (:class:`DraftChain`), from device tensors with no host synchronisation.
+
+    Batch request ``i`` runs position ``chain_starts[i] + step``; its window rows are scratch rows
+    ``1 + i * rows .. (i + 1) * rows`` (``rows = sliding_window - 1 + forwards``), holding positions
+    ``chain_starts[i] - sliding_window + 1 ..`` in order: the window before the chain, then the chain's tokens.
+    The scratch has no state records: the batch's rows are the scratch rows ``1 .. n``.
+    """
+    requests, device = chain_starts.shape[0], chain_starts.device
+    starts = chain_starts.long() + step
+    scratch_rows = torch.arange(1, requests + 1, device=device)
+    batch = _Batch.of(
+        scratch_rows,
+        starts,
+        torch.ones_like(starts),
+        tokens=requests,
+        snapshot_request=scratch_rows - 1,
+        snapshot_position=starts + 1,
+        snapshot_record=torch.zeros_like(starts),
+    )
+    rows_per_request = config.sliding_window - 1 + forwards
+    first_position = chain_starts.long() - (config.sliding_window - 1)
+
+    def window_slots(request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return 1 + request * rows_per_request + position - first_position[request]
+
+    return _index_of(batch, window_slots, {}, config, {}, _tile_owners(list(range(requests))), one_token_each=True)
+
+
+class DraftChain:
+    """A chain of ``forwards`` one-token draft forwards of a window-only layer (the MTP layer's, as the releases
+    have it) on scratch rows of fixed shape, for up to ``max_requests`` requests: what a CUDA graph of the draft
+    steps runs, writing nothing to the pool.
+
+    :meth:`begin` (recordable in the graph) copies each request's window rows before its chain start from the
+    pool into its scratch rows and builds every step's index (:func:`build_draft_step_index`) in buffers allocated
+    once; the steps then run the batched core on :attr:`storage`, each writing its token's row into the scratch
+    after the window. Row 0 is the padding row, never written.
+    """
+
+    def __init__(
+        self, max_requests: int, forwards: int, config: DeepseekV4Config, formats: PoolFormats, device: torch.device
+    ):
+        self.config, self.forwards = config, forwards
+        self.rows_per_request = config.sliding_window - 1 + forwards
+        window = formats.entries.empty(1 + max_requests * self.rows_per_request, device)
+        self.storage = DraftScratch([window], formats)
+        starts = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        self.buffers = [
+            _map_tensors(build_draft_step_index(starts, step, forwards, config), torch.clone)
+            for step in range(forwards)
+        ]
+
+    def begin(
+        self, rows: torch.Tensor, chain_starts: torch.Tensor, pool_window: torch.Tensor, window_table: torch.Tensor
+    ) -> list[ForwardIndex]:
+        """Device side, with no host operation: batch request ``i`` (pool row ``rows[i]``, its chain from position
+        ``chain_starts[i]``) gets its window rows before the chain from ``pool_window`` (the layer's pool rows, slots
+        as ``window_table`` gives them); the steps' indexes, in the buffers' first rows."""
+        requests, before, device = rows.shape[0], self.config.sliding_window - 1, rows.device
+        positions = chain_starts.long()[:, None] - before + torch.arange(before, device=device)
+        sources = torch.where(positions >= 0, window_table[rows.long()[:, None], positions.clamp(min=0)], 0)
+        targets = 1 + torch.arange(requests, device=device)[:, None] * self.rows_per_request
+        targets = targets + torch.arange(before, device=device)
+        window = self.storage.window[0]
+        window.index_copy_(0, targets.flatten(), pool_window[sources.flatten()])
+        return [
+            _copy_into(buffers, build_draft_step_index(chain_starts, step, self.forwards, self.config))
+            for step, buffers in enumerate(self.buffers)
+        ]
+
+
+@dataclass(frozen=True)
+class DraftScratch:
+    """A :class:`PoolStorage` of one window-only layer (layer 0): a draft chain's scratch rows."""
+
+    window: list[torch.Tensor]
+    formats: PoolFormats
+    compressed: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    state: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    previous_state: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    checkpoint_state: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
 def _stage_checkpoints(
     pending: Mapping[int, Sequence[PendingCheckpoint]], staged: torch.Tensor, table: torch.Tensor
 ) -> None:
@@ -491,15 +578,31 @@ def _index(
     *,
     one_token_each: bool,
 ) -> ForwardIndex:
-    ratios = sorted(tables.entry_table)
+    window_slots = _table_slots(batch, tables.window_table)
+    return _index_of(batch, window_slots, tables.entry_table, config, sizes, tile_owners, one_token_each=one_token_each)
+
+
+def _index_of(
+    batch: _Batch,
+    window_slots: WindowSlots,
+    entry_tables: dict[int, torch.Tensor],
+    config: DeepseekV4Config,
+    sizes: dict[int, _Sizes],
+    tile_owners: list[int],
+    *,
+    one_token_each: bool,
+) -> ForwardIndex:
+    """The index of ``batch`` whose tokens' window slots ``window_slots`` gives (the request tables', or a
+    draft chain's scratch rows) and whose blocks' entry rows ``entry_tables`` per ratio."""
+    ratios = sorted(entry_tables)
     return ForwardIndex(
         positions=batch.positions,
         token_request=batch.token_request,
         rows=batch.rows,
         single_step_rows=torch.where(batch.lengths == 1, batch.rows, 0),
-        window=_window_index(batch, tables.window_table, config.sliding_window, one_token_each=one_token_each),
-        compressors={r: _compressor_targets(batch, tables.entry_table[r], r, sizes[r]) for r in ratios},
-        entries={r: _entry_reads(batch, tables.entry_table[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
+        window=_window_index(batch, window_slots, config.sliding_window, one_token_each=one_token_each),
+        compressors={r: _compressor_targets(batch, entry_tables[r], r, sizes[r]) for r in ratios},
+        entries={r: _entry_reads(batch, entry_tables[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
         tile_owners=tile_owners,
         one_token_each=one_token_each,
     )
@@ -514,13 +617,23 @@ def _tile_owners(token_request: list[int]) -> list[int]:
     return [tile[0] if tile[0] == tile[-1] else -1 for tile in tiles]
 
 
-def _window_index(batch: _Batch, window_table: torch.Tensor, window: int, *, one_token_each: bool) -> WindowIndex:
+# The window slot of each position (>= 0) of each batch request: ``(requests, positions) -> slots``, broadcast.
+WindowSlots = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _table_slots(batch: _Batch, window_table: torch.Tensor) -> WindowSlots:
+    """Window slots as the request tables give them."""
+    return lambda request, position: window_table[batch.rows[request], position]
+
+
+def _window_index(batch: _Batch, window_slots: WindowSlots, window: int, *, one_token_each: bool) -> WindowIndex:
     tokens, before = len(batch.positions), window - 1
     request, position = batch.token_request, batch.positions
     device = position.device
-    write_slots = window_table[batch.rows[request], position]
+    write_slots = window_slots(request, position)
     earlier = batch.starts[:, None] - before + torch.arange(before, device=device)  # [requests, window - 1]
-    previous = torch.where(earlier >= 0, window_table[batch.rows[:, None], earlier.clamp(min=0)], 0)
+    requests = torch.arange(batch.rows.shape[0], device=device)
+    previous = torch.where(earlier >= 0, window_slots(requests[:, None], earlier.clamp(min=0)), 0)
     # A token at p reads positions max(0, p - window + 1) .. p.
     lengths = torch.clamp(position + 1, max=window)
     keys = (position - window + 1).clamp(min=0)[:, None] + torch.arange(window, device=device)
@@ -534,7 +647,7 @@ def _window_index(batch: _Batch, window_table: torch.Tensor, window: int, *, one
     staged = torch.where(read, staged, 0)
     slots = None
     if one_token_each:
-        slots = torch.where(read, window_table[batch.rows[request, None], keys.clamp(max=position[:, None])], 0)
+        slots = torch.where(read, window_slots(request[:, None], keys.clamp(max=position[:, None])), 0)
         slots = slots.to(torch.int32)
     return WindowIndex(write_slots, previous.flatten(), staged.to(torch.int32), lengths.to(torch.int32), slots)
 

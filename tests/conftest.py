@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from collections.abc import Iterator
@@ -128,8 +129,31 @@ def load_hf(path: Path):
 
 
 def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+    """HF's logits, its indexer taking the earliest of keys tied at the k-th place as ours does
+    (:func:`~sglang_dsv4.kernels.sparse_torch.top_k_earliest_ties`). Its ``torch.topk`` takes some of the ties,
+    which ones depending on the row's width; they occur (keys whose every head's dot is negative score exactly
+    0), in the shipped checkpoint on real text."""
+    with torch.no_grad(), earliest_ties_in_top_k():
         return hf_model(ids[None]).logits[0].float()
+
+
+@contextlib.contextmanager
+def earliest_ties_in_top_k():
+    """``Tensor.topk`` with :func:`~sglang_dsv4.kernels.sparse_torch.top_k_earliest_ties`'s rule, meanwhile
+    (rows without ties get ``torch.topk``'s values and slots)."""
+    from sglang_dsv4.kernels.sparse_torch import top_k_earliest_ties
+
+    def top_k(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        assert largest, "HF's top-k calls take the largest"
+        values, slots = top_k_earliest_ties(scores.movedim(dim, -1), k)
+        return torch.return_types.topk((values.movedim(-1, dim), slots.movedim(-1, dim)))
+
+    saved = torch.Tensor.topk
+    torch.Tensor.topk = top_k
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = saved
 
 
 def random_ids(length: int, vocab: int, seed: int = 0) -> torch.Tensor:

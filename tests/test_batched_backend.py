@@ -666,6 +666,34 @@ def test_streamed_top_k_equals_top_k_of_all_scores(key_tile, monkeypatch):
         assert sorted(mine.tolist()) == sorted(theirs.tolist())
 
 
+@pytest.mark.parametrize("key_tile", [1024, 7])
+def test_streamed_top_k_takes_the_earliest_of_tied_keys_whatever_the_batch(key_tile, monkeypatch):
+    """Keys whose every head's dot is negative score exactly 0 (ReLU); when the k-th place is among them, a
+    request's choice is its earliest such keys alone, beside a longer request (a wider table) or in a tile of
+    other requests' rows. (``torch.topk`` took a different set of the ties at another width: served under
+    concurrency, the shipped checkpoint's 513-token prompt chose other blocks at layer 3 and its greedy output
+    changed at its 13th token.)"""
+    monkeypatch.setattr(sparse_torch, "KEY_TILE", key_tile)
+    heads, dim, k, length = 4, 16, 16, 131
+    generator = torch.Generator().manual_seed(1)
+    q = (torch.rand(dim, generator=generator) + 0.1).expand(1, heads, dim)
+    keys = -(torch.rand(length, dim, generator=generator) + 0.1)  # every dot negative: score 0
+    scoring = torch.tensor([5, 40, 77, 120])
+    keys[scoring] = -keys[scoring]
+    expected = sorted([*scoring.tolist(), *[slot for slot in range(16) if slot != 5][: k - len(scoring)]])
+    weights = torch.rand(1, heads, generator=generator) + 0.1
+    for width, others in ((length, 0), (206, 0), (length, 1), (256, 3)):
+        pool = torch.cat([keys, torch.randn(width, dim, generator=generator)])
+        table = torch.cat([torch.arange(length), torch.zeros(width - length, dtype=torch.long)])[None]
+        table = torch.cat([table, (length + torch.arange(width)).expand(others, width)])
+        lengths = torch.tensor([length] + [width] * others).int()
+        batch_q = torch.cat([q, torch.randn(others, heads, dim, generator=generator)])
+        batch_weights = torch.cat([weights, torch.rand(others, heads, generator=generator)])
+        table_row = torch.arange(1 + others)
+        chosen = streamed_top_k(batch_q, batch_weights, pool, table, table_row, lengths, k, scale=0.2)
+        assert sorted(chosen[0].tolist()) == expected, (width, others)
+
+
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the largest tensor any torch operation returns while active."""
 

@@ -46,3 +46,29 @@ def test_selection_changes_the_logits(tiny_model):
             ix.topk = k
     late = slice(4 * 4 * saved[0], None)  # positions with more visible entries than top-k
     assert (selective[late] - everything[late]).abs().max() > 1e-2
+
+
+def test_indexer_takes_the_earliest_of_tied_keys_as_the_served_top_k_does(tiny_model):
+    """Keys that tie (here all: zero keys score exactly 0): the network's selection, the oracle of the served
+    path, takes the earliest visible ones, as the served top-k (:func:`streamed_top_k`, whole-row Triton) does."""
+    from sglang_dsv4.kernels.sparse_torch import streamed_top_k
+
+    layer = next(i for i in range(tiny_model.config.num_layers) if tiny_model.config.layer_kind(i) == "csa")
+    indexer = tiny_model.layers[layer].attn.indexer
+    generator = torch.Generator().manual_seed(22)
+    length, entries = 3, 3 * indexer.topk
+    x = torch.randn(length, tiny_model.config.hidden_size, generator=generator)
+    q_residual = torch.randn(length, tiny_model.config.q_lora_rank, generator=generator)
+    positions = torch.tensor([4 * entries - 9, 4 * entries - 5, 4 * entries - 1])
+    keys = torch.zeros(entries, indexer.head_dim)
+    visible = torch.arange(entries)[None, :] < ((positions + 1) // 4)[:, None]
+
+    selected = indexer.select_reference(x, q_residual, positions, keys, visible)
+
+    earliest = torch.arange(entries)[None, :] < indexer.topk
+    assert torch.equal(selected, earliest.expand(length, -1))
+    q, head_weights = indexer.queries(x, q_residual, positions)
+    table, lengths = torch.arange(entries)[None], visible.sum(-1, dtype=torch.int32)
+    served = streamed_top_k(q, head_weights, keys, table, torch.zeros(length, dtype=torch.long), lengths,
+                            indexer.topk, scale=indexer.head_dim**-0.5)  # fmt: skip
+    assert all(sorted(row.tolist()) == list(range(indexer.topk)) for row in served)

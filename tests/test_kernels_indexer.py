@@ -168,6 +168,23 @@ def test_whole_row_top_k_of_equal_and_empty_rows(topk, poisoned):
 
 
 @interpreted_only
+def test_whole_row_top_k_takes_the_earliest_ties_as_the_torch_paths_do(topk, poisoned):
+    """Scores tied at the k-th place (the indexer's exact zeros): the decode select takes the same slots as the
+    torch top-k of the CPU path and of the network (:func:`.sparse_torch.top_k_earliest_ties`), the earliest."""
+    from sglang_dsv4.kernels.sparse_torch import top_k_earliest_ties
+
+    generator = torch.Generator().manual_seed(9)
+    scores = torch.randn(2, 300, generator=generator).relu()  # about half of each row exactly 0
+    lengths = torch.tensor([300, 251], dtype=torch.int32)
+    k = int((scores[:, :251] > 0).sum(-1).max()) + 20  # every row's k-th place is a tie at 0
+    chosen = topk.whole_row_top_k(scores, lengths, k)
+    visible = torch.arange(300)[None, :] < lengths[:, None]
+    _, expected = top_k_earliest_ties(scores.masked_fill(~visible, float("-inf")), k)
+    for mine, theirs in zip(chosen, expected, strict=True):
+        assert sorted(mine.tolist()) == sorted(theirs.tolist())
+
+
+@interpreted_only
 def test_top_k_with_every_score_equal_takes_k_distinct_slots(topk, poisoned):
     scores = torch.zeros(2, 3000)
     lengths = torch.tensor([3000, 2999], dtype=torch.int32)

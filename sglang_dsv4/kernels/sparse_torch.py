@@ -7,6 +7,7 @@ on the output) computed in fixed tiles: rows ``ROW_TILE`` at a time, compressed 
 O(``ROW_TILE`` x heads x tile) whatever the context. :func:`streamed_top_k` scores a row's
 indexer keys tile by tile and keeps a running top-k, never holding a row's whole score
 list. Both take tensors and return tensors; nothing here imports Triton or the model.
+Of keys with equal scores the top-k takes the earliest (:func:`top_k_earliest_ties`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,19 @@ def chosen_entry_rows(
     return rows, (chosen >= 0).sum(-1, dtype=torch.int32)
 
 
+def top_k_earliest_ties(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of ``scores`` and their slots ``(values, slots)``, best first: ``torch.topk``'s,
+    except that of equal scores the earliest slots are taken, first, as the Triton whole-row select
+    (:func:`.topk.whole_row_top_k`) takes them.
+
+    ``torch.topk`` takes some of the equal scores at the k-th place, which ones depending on the row's width:
+    the indexer's scores tie exactly wherever ReLU zeroes every head's dot, and a request's choice would then
+    depend on the longest request in its batch (the width of the block table).
+    """
+    slots = scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    return scores.gather(-1, slots), slots
+
+
 def streamed_top_k(
     q: torch.Tensor,
     head_weights: torch.Tensor,
@@ -113,8 +127,10 @@ def streamed_top_k(
     Row ``r`` scores keys ``keys[table[table_row[r], j]]`` for ``j < lengths[r]`` as
     :func:`.indexer.index_scores_reference` does (``sum_h w_h * ReLU(q_h . k) * scale``);
     queries of one request share one table row. Keys are scored ``KEY_TILE`` at a time and
-    merged into a running top-k, so a row's scores are never all held at once. ``keys_format``: how
-    ``keys`` stores its rows (None: the rows are the keys).
+    merged into a running top-k, so a row's scores are never all held at once; of equal scores the
+    earliest slots are taken (:func:`top_k_earliest_ties`; the running top-k holds earlier slots than
+    each new tile), whatever the table's width. ``keys_format``: how ``keys`` stores its rows (None:
+    the rows are the keys).
     ``tile_owners`` (host values, one per ``ROW_TILE`` rows) names the table row all rows of a
     tile share, or -1: a shared tile gathers its keys once instead of once per row.
     """
@@ -139,7 +155,7 @@ def streamed_top_k(
             scores = scores.masked_fill(slots[None, :] >= lengths[tile, None], float("-inf"))
             best = torch.cat([best, scores], dim=1)
             best_slots = torch.cat([best_slots, slots.expand(best.shape[0], -1)], dim=1)
-            best, order = best.topk(min(k, best.shape[1]), dim=1)
+            best, order = top_k_earliest_ties(best, k)
             best_slots = best_slots.gather(1, order)
         found = best_slots.shape[1]
         chosen[tile, :found] = torch.where(best > float("-inf"), best_slots, -1)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import DeepseekV4Config
 from ..kernels.dispatch import select_visible
+from ..kernels.sparse_torch import top_k_earliest_ties
 from .compressor import Compressor, CompressorState
 from .linears import Layers, WholeLayers
 from .rope import Rotary, apply_rope
@@ -75,8 +76,9 @@ class Indexer(nn.Module):
         keys: torch.Tensor,
         visible: torch.Tensor,
     ) -> torch.Tensor:
-        """:meth:`select` in torch, over keys ``[num_keys, index_head_dim]``."""
+        """:meth:`select` in torch, over keys ``[num_keys, index_head_dim]``; of keys with equal scores the
+        earliest are taken (:func:`~sglang_dsv4.kernels.sparse_torch.top_k_earliest_ties`)."""
         scores = self.scores(x, q_residual, positions, keys).masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        _, top = top_k_earliest_ties(scores, self.topk)
         chosen = torch.zeros_like(visible).scatter_(-1, top, True)
         return chosen & visible

@@ -10,7 +10,12 @@ from sglang_dsv4 import platform
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.layout import PoolLayout
-from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS, HostSharing, V4PoolConfigurator
+from sglang_dsv4.memory_pool.sizing import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    EAGER_INPUT_BYTES_PER_TOKEN,
+    HostSharing,
+    V4PoolConfigurator,
+)
 
 
 def test_budget_splits_into_request_rows_and_tokens_that_fit(tiny_model):
@@ -82,3 +87,29 @@ def test_the_request_tables_are_set_aside_from_the_budget_and_a_gpu_pool_counts_
     with_device_twins(pool.storage.tables)  # as on a GPU
     assert pool.storage.allocated_bytes - rows_only == (rows + 1) * layout.request_table_bytes(context)
     assert pool.storage.allocated_bytes <= budget
+
+
+def test_sglangs_eager_input_buffers_per_token_are_what_the_budget_sets_aside():
+    """SGLang sizes each model runner's eager inputs by the pool's token count: what they take per token
+    slot, read off SGLang's own registry, is the constant the budget sets aside per runner."""
+    from sglang.srt.model_executor.cuda_graph_buffer_registry import build_eager_registry
+    from sglang.srt.runtime_context import get_parallel
+
+    def registry_bytes(tokens: int) -> int:
+        with get_parallel().override(num_dp_ranks=1):
+            registry = build_eager_registry(device="cpu", max_bs=4, max_num_token=tokens, cache_loc_dtype=torch.int64)
+        return sum(slot.buffer.nbytes for slot in registry._slots.values())
+
+    assert (registry_bytes(3000) - registry_bytes(1000)) / 2000 == EAGER_INPUT_BYTES_PER_TOKEN
+
+
+def test_under_speculation_the_draft_workers_eager_inputs_are_set_aside_too(tiny_model):
+    plain_layout, speculating_layout = (PoolLayout(tiny_model.config, torch.float32, tokens) for tokens in (0, 4))
+    plain, speculating = (V4PoolConfigurator(layout, 16, 0) for layout in (plain_layout, speculating_layout))
+    pool_bytes = {
+        layout: layout.bytes_per_token + layout.bookkeeping_bytes_per_token
+        for layout in (plain_layout, speculating_layout)
+    }
+    pool_extra = pool_bytes[speculating_layout] - pool_bytes[plain_layout]
+    runner_extra = EAGER_INPUT_BYTES_PER_TOKEN
+    assert speculating.bytes_per_token - plain.bytes_per_token == pytest.approx(pool_extra + runner_extra)

@@ -9,7 +9,11 @@ lives in the same memory and is counted with them: SGLang's token allocator, the
 bookkeeping (:attr:`~.layout.PoolLayout.bookkeeping_bytes_per_token`) and each request
 row's tables at the served context (:meth:`~.layout.PoolLayout.request_table_bytes`: the
 tables themselves on the CPU, their device twins on a GPU; the rows' bookkeeping is host
-memory on a GPU, counted all the same: a few bytes per token against thousands).
+memory on a GPU, counted all the same: a few bytes per token against thousands). So is
+what SGLang sizes by the token count besides its allocator: each model runner's eager
+input buffers, which hold a prefill as long as the whole pool (:data:`EAGER_INPUT_BYTES_PER_TOKEN`;
+with V4's small bytes per token, half again the pool on the tiny model, and uncounted they
+had an EAGLE server on a 24 GB host killed for memory at start).
 
 Where ranks share one memory (the ranks of a launch on one CPU host), SGLang measures the
 whole of it for each: :class:`HostSharing` says how this rank's budget is cut from it.
@@ -27,6 +31,10 @@ from .layout import PoolLayout
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 TOKEN_ALLOCATOR_BYTES = 2 * 8
 """SGLang's token allocator per token slot: its free slots and the slots freed since its last merge, int64 each."""
+EAGER_INPUT_BYTES_PER_TOKEN = 6 * 8
+"""SGLang's eager runner's input buffers per token slot of the pool (its prefill ceiling is the pool's token count):
+input ids, positions, output slots and three rows of mrope positions, int64 each. One set per model runner: the
+target's, and the EAGLE draft worker's."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,13 @@ class V4PoolConfigurator(MemoryPoolConfigurator):
         self.layout = layout
         self.sharing = sharing
         self.request_rows = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        self.bytes_per_token = layout.bytes_per_token + layout.bookkeeping_bytes_per_token + TOKEN_ALLOCATOR_BYTES
+        model_runners = 2 if layout.verify_tokens else 1  # speculation: the draft worker's runner too
+        self.bytes_per_token = (
+            layout.bytes_per_token
+            + layout.bookkeeping_bytes_per_token
+            + TOKEN_ALLOCATOR_BYTES
+            + model_runners * EAGER_INPUT_BYTES_PER_TOKEN
+        )
         self.bytes_per_row = (
             layout.bytes_per_request + layout.bookkeeping_bytes_per_request + layout.request_table_bytes(table_context)
         )

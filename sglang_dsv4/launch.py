@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,6 +27,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Under attention DP, SGLang binds ``port + 233`` (its ``ZMQ_TCP_PORT_DELTA``) and the six ports after it.
+DERIVED_PORT_OFFSETS = range(233, 233 + 7)
+SERVER_PORTS = range(10_000, 32_768 - DERIVED_PORT_OFFSETS[-1])  # below Linux's ephemeral range (32768 up)
+
+
+def free_server_port() -> int:
+    """A ``--port`` free with every port SGLang derives from it, chosen below the ephemeral range.
+
+    An ephemeral ``--port`` put the derived ports among those the host's client connections take their
+    local ports from: one was taken, SGLang's precheck waited on it, and the server never started."""
+    for port in random.sample(SERVER_PORTS, 200):
+        if all(_is_free(port + offset) for offset in (0, *DERIVED_PORT_OFFSETS)):
+            return port
+    raise RuntimeError(f"no port in {SERVER_PORTS} is free with its derived ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 @contextmanager
 def running_server(
     model_path: Path,
@@ -41,7 +67,7 @@ def running_server(
     is the one imported; in a process group of its own, so that stopping it stops every
     process it started (schedulers, DP controller, detokenizer), whatever state it is in.
     """
-    port = free_port()
+    port = free_server_port()
     command = server_command(model_path, port, *extra_args)
     with open(log_path, "w") as log:
         process = subprocess.Popen(

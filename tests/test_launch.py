@@ -1,11 +1,15 @@
-"""Stopping a server started by :func:`sglang_dsv4.launch.running_server` leaves none of its processes behind."""
+"""Servers started by :func:`sglang_dsv4.launch.running_server` get a port SGLang can derive its own from, and
+stopping one leaves none of its processes behind."""
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import sys
 import time
 
+from sglang_dsv4 import launch
 from sglang_dsv4.launch import stop_process_group
 
 # A launcher whose child ignores SIGTERM and outlives it, as a scheduler stuck in a forward would: the child's
@@ -38,3 +42,16 @@ def test_stopping_a_server_stops_every_process_it_started_even_one_that_ignores_
     while _alive(child) and time.monotonic() < deadline:  # reaped by init once killed
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_a_server_port_is_chosen_with_the_ports_sglang_derives_from_it_free(monkeypatch):
+    from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA
+
+    assert launch.DERIVED_PORT_OFFSETS[0] == ZMQ_TCP_PORT_DELTA
+    first, second = launch.free_server_port(), launch.free_server_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + launch.DERIVED_PORT_OFFSETS[3]))  # one of first's derived ports in use
+        taken.listen()
+        monkeypatch.setattr(random, "sample", lambda population, count: [first, second])
+        assert launch.free_server_port() == second
+    assert all(port < 32768 - launch.DERIVED_PORT_OFFSETS[-1] for port in (first, second))

@@ -1,9 +1,11 @@
 """Instance-level routing with the gateway ``smg`` (issue 24): the recorded agent sessions replayed through it.
 
-Four configurations, one server start each, back to back, on the shipped tiny V4 (CPU, float32, one torch thread):
+Six configurations, one server start each, back to back, on the shipped tiny V4 (CPU, float32, one torch thread):
 
 - ``dsv4_cache_aware, direct``: one server at attention-DP 2 (``--tp 2 --attn-dp-size 2 --ep-size 2``) reached
   directly, its DP controller routing with ours;
+- ``round_robin`` and ``total_tokens, direct``: the same server started with SGLang's
+  ``--load-balance-method round_robin`` or ``total_tokens``;
 - ``smg --dp-aware``: the same DP server (started afresh) behind ``smg launch --dp-aware --policy cache_aware``,
   which registers one worker per DP rank it finds in ``/server_info`` and pins each request with
   ``data_parallel_rank`` (SGLang's alias of ``routed_dp_rank``);
@@ -18,7 +20,7 @@ and reply but the reply's last token), the requests each worker or rank served, 
 landed on one worker or rank, and the outputs equal to the first configuration's (routing must not change a
 greedy token). Where a turn ran is the worker ``smg`` names in its ``x-smg-routed-worker-id`` reply header and
 the DP rank in ``meta_info.dp_rank``; a DP server's requests per rank are its ranks' ``dsv4_routing.routed`` in
-``/server_info``. ``--configs`` runs some of the four, in the order given.
+``/server_info``. ``--configs`` runs some of the six, in the order given.
 
 ``smg`` is not a dependency of this package: install it apart (``python -m venv /tmp/smg && /tmp/smg/bin/pip
 install smg``) and pass its command with ``--smg``.
@@ -128,9 +130,12 @@ def replay(name: str, url: str, tokenizer, sessions: list[Trajectory]) -> Replay
     return result
 
 
-def dp_rank_requests(url: str) -> Counter:
-    """Requests each DP rank's router counted (``dsv4_routing.routed`` in ``/server_info``)."""
+def dp_rank_requests(url: str) -> Counter | None:
+    """Requests our router counted for each DP rank (``dsv4_routing.routed`` in ``/server_info``); None when the
+    server routes by one of SGLang's methods, which count nothing."""
     states = requests.get(f"{url}/server_info", timeout=60).json()["internal_states"]
+    if any("dsv4_routing" not in state for state in states):
+        return None
     return Counter({f"rank {state['attn_dp_rank']}": state["dsv4_routing"]["routed"] for state in states})
 
 
@@ -182,9 +187,17 @@ class Bench:
                               env=ONE_TORCH_THREAD, startup_timeout_s=SERVER_STARTUP_S)  # fmt: skip
 
 
-def ours_direct(bench: Bench) -> Replay:
-    with bench.server(*DP_ARGS, log_name="dp-direct.log") as dp:
-        return replay_on_ranks("dsv4_cache_aware (ours), DP 2, direct", dp, dp, bench)
+def dp_direct(method: str | None) -> Callable[[Bench], Replay]:
+    """The DP server reached directly, its controller routing by SGLang's ``method`` (``--load-balance-method``)
+    or, with None, by ours (the default under attention DP)."""
+
+    def run(bench: Bench) -> Replay:
+        args = ("--load-balance-method", method) if method else ()
+        name = f"{method or 'dsv4_cache_aware (ours)'}, DP 2, direct"
+        with bench.server(*DP_ARGS, *args, log_name=f"dp-{method or 'ours'}.log") as dp:
+            return replay_on_ranks(name, dp, dp, bench)
+
+    return run
 
 
 def smg_dp_aware(bench: Bench) -> Replay:
@@ -207,7 +220,9 @@ def smg_two_servers(policy: str) -> Callable[[Bench], Replay]:
 
 
 CONFIGURATIONS = {
-    "ours": ours_direct,
+    "ours": dp_direct(None),
+    "dp-round-robin": dp_direct("round_robin"),
+    "dp-total-tokens": dp_direct("total_tokens"),
     "smg-dp-aware": smg_dp_aware,
     "smg-cache-aware": smg_two_servers("cache_aware"),
     "smg-round-robin": smg_two_servers("round_robin"),
@@ -216,11 +231,13 @@ CONFIGURATIONS = {
 
 def replay_on_ranks(name: str, server: str, url: str, bench: Bench) -> Replay:
     """:func:`replay` through ``url`` in front of the DP server ``server``; the requests each rank served are
-    its router's count (``dsv4_routing.routed``, pinned requests included) over the replay."""
+    our router's count (``dsv4_routing.routed``, pinned requests included) over the replay, or where SGLang's
+    method routes, the replies' ``meta_info.dp_rank``."""
     before = dp_rank_requests(server)
     result = replay(name, url, bench.tokenizer, bench.sessions)
     after = dp_rank_requests(server)
-    result.workers = Counter({rank: after[rank] - before[rank] for rank in after})  # ranks with none kept
+    if before is not None and after is not None:
+        result.workers = Counter({rank: after[rank] - before[rank] for rank in after})  # ranks with none kept
     print(f"  requests per rank: {dict(result.workers)}", flush=True)
     return result
 

@@ -10,6 +10,9 @@ those two choices at SGLang's own CPU code before the first DP batch is prepared
 SGLang pad idle rows with the backends' ``get_cpu_graph_seq_len_fill_value``; and SGLang registers
 its custom ops for an out-of-tree platform's ``PrivateUse1`` key only, so its collectives' ops
 (the DP gather's all-gather and all-reduce) get their own functions registered for CPU tensors.
+SGLang's DP controller polls its socket in a loop that never waits, whatever ``--sleep-on-idle``
+says (a core each, taken from the ranks on a CPU host): under that flag it waits for the next
+request on SGLang's own ``IdleSleeper`` between drains (:func:`_event_loop_sleeping_when_idle`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from .config import ConfigError
 from .platform import on_torch_cpu_platform
 
 _MLP_SYNC = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.prepare_mlp_sync_batch"
-DATA_PARALLEL_HOOKS = (_MLP_SYNC,)
+_CONTROLLER_LOOP = "sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop"
+DATA_PARALLEL_HOOKS = (_MLP_SYNC, _CONTROLLER_LOOP)
 # SGLang's collectives registered as custom ops (parallel_state.py), which the DP gather and scatter call.
 _COLLECTIVE_OPS = (
     "inplace_all_reduce",
@@ -37,6 +41,7 @@ _COLLECTIVE_OPS = (
 
 def register_data_parallel_hooks() -> None:
     HookRegistry.register(_MLP_SYNC, _prepare_on_cpu_paths, HookType.AROUND)
+    HookRegistry.register(_CONTROLLER_LOOP, _event_loop_sleeping_when_idle, HookType.AROUND)
 
 
 def check_attention_data_parallel(view: Any) -> None:
@@ -84,3 +89,25 @@ def _use_cpu_paths() -> None:
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{sglang_lib.ns}::{name}", "CPU"):
             sglang_lib.impl(name, collective, "CPU")
 
+
+
+def _event_loop_sleeping_when_idle(original, controller) -> None:
+    """SGLang's controller loop (every waiting request to its dispatcher, the watchdog fed), waiting up to a
+    second for the tokenizer's socket whenever it is drained, under ``--sleep-on-idle``."""
+    import zmq
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+    from sglang.srt.runtime_context import get_device
+
+    if not get_device().sleep_on_idle:
+        return original(controller)
+    sleeper = IdleSleeper([controller.recv_from_tokenizer])
+    while True:
+        while True:
+            controller.soft_watchdog.feed()
+            try:
+                request = sock_recv(controller.recv_from_tokenizer, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            controller._request_dispatcher(request)
+        sleeper.maybe_sleep()

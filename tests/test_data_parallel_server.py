@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 import torch
@@ -232,6 +233,27 @@ def test_both_ranks_at_once_give_the_single_process_tokens_and_logprobs(dp2, exp
         replies = list(pool.map(lambda job: generate_on(dp2, PROMPTS[job[0]], NEW_TOKENS, job[1]), pinned))
     for (length, rank), served in zip(pinned, replies, strict=True):
         assert_same(served, expected["prompts"][length], f"{length} tokens on rank {rank}")
+
+
+def dp_controller_of(url: str) -> psutil.Process:
+    """The DP controller process of the server listening at ``url`` (a child of its launcher)."""
+    port = url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "sglang.launch_server" in cmdline and port in cmdline:
+            controllers = [c for c in process.children() if "data_parallel_controller" in " ".join(c.cmdline())]
+            assert len(controllers) == 1, controllers
+            return controllers[0]
+    raise AssertionError(f"no launcher with --port {port}")
+
+
+def test_an_idle_dp_controller_waits_instead_of_polling_under_sleep_on_idle(dp2):
+    # SGLang's own loop polls its socket without waiting: a core busy while nothing is asked.
+    controller = dp_controller_of(dp2)
+    before = controller.cpu_times()
+    time.sleep(3)
+    after = controller.cpu_times()
+    assert (after.user + after.system) - (before.user + before.system) < 0.3
 
 
 def test_one_rank_serves_while_the_other_idles(dp2, expected):

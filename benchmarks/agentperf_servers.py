@@ -9,8 +9,9 @@ configurations, trials interleaved (the first server's figures are the ratios' b
 go to ``benchmarks/agentperf/<comparison>/``.
 
 Every server has a 16,384-token pool (per rank), reports cache hits in each reply's usage, runs one torch
-thread (``ONE_TORCH_THREAD``) and sleeps when idle (``--sleep-on-idle``: an idle scheduler otherwise polls, taking
-a core from the server being measured); only one of them is busy at a time.
+thread (``ONE_TORCH_THREAD``) and sleeps when idle (``--sleep-on-idle``, which ``running_server`` passes: idle
+schedulers and DP controllers would otherwise poll, taking cores from the server being measured); only one of
+them is busy at a time.
 
     python benchmarks/agentperf_servers.py --comparison speculation|routing [--max-seconds 2400]
 
@@ -33,7 +34,7 @@ from sglang_dsv4.tiny import shipped_checkpoint
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
 OUT = REPOSITORY / "benchmarks" / "agentperf"
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384", "--enable-cache-report", "--sleep-on-idle")
+SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384", "--enable-cache-report")
 DP_ARGS = ("--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")
 COMPARISONS = {
     "speculation": {"plain": (), "eagle-k3": SPECULATION},

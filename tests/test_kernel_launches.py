@@ -135,6 +135,20 @@ def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_query_norm_and_rope_fit_in_every_dtype(hopper, model, dtype):
+    """The attention's queries (normalised and roped) and the indexer's (roped) at the config's heads and dims."""
+    from sglang_dsv4.kernels.query_rope import normalize_rope_queries
+
+    config = named_config(model)
+    cos = sin = torch.zeros(2, config.rope_head_dim // 2)
+    before = len(hopper.compiled)
+    normalize_rope_queries(torch.zeros(2, config.num_heads, config.head_dim, dtype=dtype), cos, sin, 1e-6)
+    normalize_rope_queries(torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype), cos, sin, None)
+    assert_fits(hopper, before, 2)
+
+
 @pytest.mark.parametrize("width", [2049, 16384, 32769])
 def test_top_k_fits_at_decode_widths(hopper, width):
     """The whole-row select up to its widest rule width, and the three-launch top-k, at k = 512."""

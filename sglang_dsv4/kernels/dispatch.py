@@ -230,6 +230,23 @@ def attend_visible(
     return attention.attend_reference(q, keys, visible, cos, sin)
 
 
+def normalize_rope_queries(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float | None,
+    in_torch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Queries ``q [L, heads, head_dim]`` scaled to unit root-mean-square per head (not where ``eps`` is None),
+    then roped at ``cos, sin [L, rope_dim // 2]``: one Triton launch (``kernels/query_rope.py``), else
+    ``in_torch(q, cos, sin)``, the network's own norm and rope."""
+    if uses_triton(q):
+        from .query_rope import normalize_rope_queries as kernel
+
+        return kernel(q, cos, sin, eps)
+    return in_torch(q, cos, sin)
+
+
 class Indexer(Protocol):
     """A lightning indexer (:class:`~sglang_dsv4.model.indexer.Indexer`) and its torch path."""
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
-from ..kernels.dispatch import attend_visible
+from ..kernels.dispatch import attend_visible, normalize_rope_queries
 from ..kernels.kv_format import RowFormat
 from .compressor import Compressor, CompressorState
 from .indexer import Indexer
@@ -101,9 +101,14 @@ class Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        q = normalize_rope_queries(q, cos, sin, self.eps, self._normalize_rope)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return q_residual, q, kv, cos, sin
+
+    def _normalize_rope(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The queries' norm and rope in torch (the torch path of
+        :func:`~sglang_dsv4.kernels.dispatch.normalize_rope_queries`)."""
+        return apply_rope(rms_normalize(q, self.eps), cos, sin)
 
     def _compressed(
         self, x: torch.Tensor, q_residual: torch.Tensor, start: int, positions: torch.Tensor, state: LayerState

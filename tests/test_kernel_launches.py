@@ -137,16 +137,19 @@ def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
-def test_query_norm_and_rope_fit_in_every_dtype(hopper, model, dtype):
-    """The attention's queries (normalised and roped) and the indexer's (roped) at the config's heads and dims."""
-    from sglang_dsv4.kernels.query_rope import normalize_rope_queries
+def test_norm_and_rope_fit_in_every_dtype(hopper, model, dtype):
+    """The attention's queries (normalised), its KV row (normalised with the weight) and the indexer's queries
+    (roped only) at the config's heads and dims."""
+    from sglang_dsv4.kernels.norm_rope import normalize_rope
 
     config = named_config(model)
     cos = sin = torch.zeros(2, config.rope_head_dim // 2)
     before = len(hopper.compiled)
-    normalize_rope_queries(torch.zeros(2, config.num_heads, config.head_dim, dtype=dtype), cos, sin, 1e-6)
-    normalize_rope_queries(torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype), cos, sin, None)
-    assert_fits(hopper, before, 2)
+    normalize_rope(torch.zeros(2, config.num_heads, config.head_dim, dtype=dtype), cos, sin, 1e-6)
+    kv, weight = torch.zeros(2, 1, config.head_dim, dtype=dtype), torch.ones(config.head_dim, dtype=dtype)
+    normalize_rope(kv, cos, sin, 1e-6, weight)
+    normalize_rope(torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype), cos, sin, None)
+    assert_fits(hopper, before, 3)
 
 
 @pytest.mark.parametrize("width", [2049, 16384, 32769])

@@ -108,11 +108,11 @@ class Attention(nn.Module):
         return q_residual, q, kv, cos, sin
 
     def _normalize_rope_queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The queries' norm and rope in torch (a torch path of :func:`~sglang_dsv4.kernels.dispatch.normalize_rope`)."""
+        """The queries' norm and rope in torch (a torch path of :func:`.dispatch.normalize_rope`)."""
         return apply_rope(rms_normalize(q, self.eps), cos, sin)
 
     def _normalize_rope_kv(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The KV row's norm and rope in torch (a torch path of :func:`~sglang_dsv4.kernels.dispatch.normalize_rope`)."""
+        """The KV row's norm and rope in torch (a torch path of :func:`.dispatch.normalize_rope`)."""
         return apply_rope(self.kv_norm(kv), cos, sin)
 
     def _compressed(

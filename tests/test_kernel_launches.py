@@ -135,6 +135,23 @@ def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_norm_and_rope_fit_in_every_dtype(hopper, model, dtype):
+    """The attention's queries (normalised), its KV row (normalised with the weight) and the indexer's queries
+    (roped only) at the config's heads and dims."""
+    from sglang_dsv4.kernels.norm_rope import normalize_rope
+
+    config = named_config(model)
+    cos = sin = torch.zeros(2, config.rope_head_dim // 2)
+    before = len(hopper.compiled)
+    normalize_rope(torch.zeros(2, config.num_heads, config.head_dim, dtype=dtype), cos, sin, 1e-6)
+    kv, weight = torch.zeros(2, 1, config.head_dim, dtype=dtype), torch.ones(config.head_dim, dtype=dtype)
+    normalize_rope(kv, cos, sin, 1e-6, weight)
+    normalize_rope(torch.zeros(2, config.index_n_heads, config.index_head_dim, dtype=dtype), cos, sin, None)
+    assert_fits(hopper, before, 3)
+
+
 @pytest.mark.parametrize("width", [2049, 16384, 32769])
 def test_top_k_fits_at_decode_widths(hopper, width):
     """The whole-row select up to its widest rule width, and the three-launch top-k, at k = 512."""

@@ -135,6 +135,25 @@ def test_fp8_rows_dequantized_in_the_kernel_match_the_torch_path(
 
 
 @interpreted_only
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_sink_in_the_models_dtype_reads_as_its_float32_cast(kernels, splits):
+    """The served step hands the kernel the loaded bfloat16 sinks (no cast launched): the output is bitwise the one
+    of the same sinks cast to float32 first, with and without the merge of split partials."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 16, 64, generator=generator).to(torch.bfloat16)
+    window = random_selection(kernels, 3, 9, 64, torch.bfloat16, generator)
+    compressed = random_selection(kernels, 3, 21, 64, torch.bfloat16, generator)
+    sink = (torch.randn(16, generator=generator) * 3).to(torch.bfloat16)
+    angles = torch.rand(3, 8, generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+
+    def attend(sink: torch.Tensor) -> torch.Tensor:
+        return kernels.sparse_decode_attention(q, window, compressed, sink, cos, sin, scale=0.125, splits=splits)
+
+    assert torch.equal(attend(sink), attend(sink.float()))
+
+
+@interpreted_only
 def test_a_row_with_no_entries_reads_only_the_sink(kernels):
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 64, generator=generator)

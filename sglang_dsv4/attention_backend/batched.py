@@ -726,7 +726,7 @@ def attend(
             chosen = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
             rows, selected = chosen_entry_rows(reads.table, index.token_request, chosen)
             compressed = KVSelection(entries.rows, rows, selected, entries.row_format)
-    sink = attention.attn_sink[heads].float()
+    sink = attention.attn_sink[heads]  # the kernel reads it as float32: no cast launched
     return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
 
 

@@ -85,8 +85,8 @@ def sparse_decode_attention(
 ) -> torch.Tensor:
     """Attention output ``[rows, heads, head_dim]`` in ``q``'s dtype.
 
-    ``q`` is ``[rows, heads, head_dim]`` (normalised and roped); ``sink`` ``[heads]``;
-    ``cos`` / ``sin`` ``[rows, rope_dim // 2]`` float32 at each query's position;
+    ``q`` is ``[rows, heads, head_dim]`` (normalised and roped); ``sink`` ``[heads]`` in any float dtype (read as
+    float32); ``cos`` / ``sin`` ``[rows, rope_dim // 2]`` float32 at each query's position;
     ``scale`` multiplies the logits. ``splits`` (entries split across programs) is
     chosen from the shape when ``None``.
     """
@@ -151,7 +151,7 @@ def attend_visible(
     """
     window = _selection_of_mask(keys[:raw_count], visible[:, :raw_count])
     compressed = _selection_of_mask(keys[raw_count:], visible[:, raw_count:])
-    return sparse_decode_attention(q, window, compressed, sink.float().contiguous(), cos, sin, scale=scale)
+    return sparse_decode_attention(q, window, compressed, sink.contiguous(), cos, sin, scale=scale)
 
 
 def _selection_of_mask(pool: torch.Tensor, visible: torch.Tensor) -> KVSelection:
@@ -210,8 +210,8 @@ def _check_inputs(
         raise ValueError(f"cos/sin must be [rows={rows}, rope_dim // 2]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         raise ValueError("cos and sin must share one layout with a contiguous last dim")
-    if sink.shape != (heads,) or sink.dtype != torch.float32 or not sink.is_contiguous():
-        raise ValueError(f"sink must be contiguous float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
+    if sink.shape != (heads,) or not sink.is_floating_point() or not sink.is_contiguous():
+        raise ValueError(f"sink must be contiguous floats [{heads}], got {sink.dtype} {tuple(sink.shape)}")
     formats = {part.row_format for part in (window, compressed) if isinstance(part.row_format, Fp8EntryRows)}
     if len(formats) > 1:
         raise ValueError(f"the window's and the compressed pool's FP8 rows differ: {formats}")
@@ -327,7 +327,7 @@ def _sparse_attention_kernel(
     start = split * span
     end = tl.minimum(start + span, total)
     # The sink starts the softmax: running max = sink, and its weight exp(0) = 1 counted once.
-    m_i = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    m_i = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     m_i, l_i, acc = _attend_entries(
@@ -363,7 +363,7 @@ def _merge_splits_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
     columns = tl.arange(0, HEAD_DIM)
-    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     peak = sink
     for split in range(SPLITS):
         slot = (row * SPLITS + split) * num_heads + heads

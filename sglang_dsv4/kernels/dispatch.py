@@ -230,6 +230,26 @@ def attend_visible(
     return attention.attend_reference(q, keys, visible, cos, sin)
 
 
+def normalize_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    in_torch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    eps: float | None = None,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ``x [L, heads, head_dim]`` scaled to unit root-mean-square (where ``eps`` is given; times ``weight
+    [head_dim]`` where given), then roped at ``cos, sin [L, rope_dim // 2]``: one Triton launch
+    (``kernels/norm_rope.py``) where the weight, if any, is in ``x``'s dtype, else ``in_torch(x, cos, sin)``, the
+    network's own norm and rope."""
+    if uses_triton(x) and (weight is None or weight.dtype == x.dtype):
+        from .norm_rope import normalize_rope as kernel
+
+        return kernel(x, cos, sin, eps, weight)
+    return in_torch(x, cos, sin)
+
+
 class Indexer(Protocol):
     """A lightning indexer (:class:`~sglang_dsv4.model.indexer.Indexer`) and its torch path."""
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
-from ..kernels.dispatch import attend_visible
+from ..kernels.dispatch import attend_visible, normalize_rope
 from ..kernels.kv_format import RowFormat
 from .compressor import Compressor, CompressorState
 from .indexer import Indexer
@@ -101,9 +101,19 @@ class Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        q = normalize_rope(q, cos, sin, self._normalize_rope_queries, eps=self.eps)
+        kv = self.wkv(x)[:, None]
+        kv = normalize_rope(kv, cos, sin, self._normalize_rope_kv, eps=self.kv_norm.eps, weight=self.kv_norm.weight)
+        kv = kv[:, 0]
         return q_residual, q, kv, cos, sin
+
+    def _normalize_rope_queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The queries' norm and rope in torch (a torch path of :func:`.dispatch.normalize_rope`)."""
+        return apply_rope(rms_normalize(q, self.eps), cos, sin)
+
+    def _normalize_rope_kv(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The KV row's norm and rope in torch (a torch path of :func:`.dispatch.normalize_rope`)."""
+        return apply_rope(self.kv_norm(kv), cos, sin)
 
     def _compressed(
         self, x: torch.Tensor, q_residual: torch.Tensor, start: int, positions: torch.Tensor, state: LayerState

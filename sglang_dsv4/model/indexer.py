@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
-from ..kernels.dispatch import select_visible
+from ..kernels.dispatch import normalize_rope, select_visible
 from ..kernels.sparse_torch import top_k_earliest_ties
 from .compressor import Compressor, CompressorState
 from .linears import Layers, WholeLayers
@@ -40,7 +40,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(positions)
         head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        return apply_rope(q, cos, sin), head_weights
+        return normalize_rope(q, cos, sin, apply_rope), head_weights
 
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor

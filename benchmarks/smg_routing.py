@@ -20,12 +20,23 @@ and reply but the reply's last token), the requests each worker or rank served, 
 landed on one worker or rank, and the outputs equal to the first configuration's (routing must not change a
 greedy token). Where a turn ran is the worker ``smg`` names in its ``x-smg-routed-worker-id`` reply header and
 the DP rank in ``meta_info.dp_rank``; a DP server's requests per rank are its ranks' ``dsv4_routing.routed`` in
-``/server_info``. ``--configs`` runs some of the six, in the order given.
+``/server_info``. ``--configs`` runs some of the six, in the order given; ``--json`` writes every turn's figures
+and output ids.
+
+``--fork-turns K`` replays forks instead of independent sessions: every session's prompts begin with the history
+of one more recorded session after its first ``K`` turns (their messages and recorded replies), as agents forked
+from one conversation, or sharing one long system prompt and tool list, with different next messages. The first
+session's first turn runs alone first; the others start once it has answered. Their first prompts then match
+that prompt on the worker it ran on up to the shared history's end, mid-prompt, where the server made no
+checkpoint: smg's tree (what it sent) credits the whole match, while V4 resumes only from a checkpoint (every
+1,024 tokens inside a forward, and at prompt and request ends). The table gives the later sessions' first turns'
+mean resumed tokens and how many of them ran where the first session's first turn did.
 
 ``smg`` is not a dependency of this package: install it apart (``python -m venv /tmp/smg && /tmp/smg/bin/pip
 install smg``) and pass its command with ``--smg``.
 
-    python benchmarks/smg_routing.py --smg /tmp/smg/bin/smg [--sessions 10] [--turns 8] [--configs ours ...]
+    python benchmarks/smg_routing.py --smg /tmp/smg/bin/smg [--sessions 10] [--turns 8] [--fork-turns K]
+        [--max-total-tokens N] [--configs ours ...] [--json PATH]
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from one conversation, or sharing one long system prompt and tool list, with dif
 session's first turn runs alone first; the others start once it has answered. Their first prompts then match
 that prompt on the worker it ran on up to the shared history's end, mid-prompt, where the server made no
 checkpoint: smg's tree (what it sent) credits the whole match, while V4 resumes only from a checkpoint (every
-1,024 tokens inside a forward, and at prompt and request ends). The table gives the later sessions' first turns'
-mean resumed tokens and how many of them ran where the first session's first turn did.
+1,024 tokens inside a forward, and at prefill-chunk, prompt and request ends). The table gives the later
+sessions' first turns' mean resumed tokens and how many of them ran where the first session's first turn did.
 
 ``smg`` is not a dependency of this package: install it apart (``python -m venv /tmp/smg && /tmp/smg/bin/pip
 install smg``) and pass its command with ``--smg``.
@@ -347,8 +347,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="smg-routing-"))
     model = shipped_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    recorded = [first_turns(t, args.turns) for t in load_sessions(DATA, SCALE, ToolLatency(median_s=0.0), seed=0)]
-    sessions = recorded[: args.sessions]
+    recorded = load_sessions(DATA, SCALE, ToolLatency(median_s=0.0), seed=0)
+    sessions = [first_turns(t, args.turns) for t in recorded[: args.sessions]]
     shared_prefix = fork_prefix(tokenizer, recorded[args.sessions], args.fork_turns) if args.fork_turns else []
     turns = sum(len(t.turns) for t in sessions)
     print(f"{len(sessions)} recorded sessions, their first {args.turns} turns ({turns} requests), all at once;"

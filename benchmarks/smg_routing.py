@@ -89,6 +89,7 @@ class Replay:
     turns: dict[str, list[TurnResult]] = field(default_factory=dict)  # per session
     workers: Counter = field(default_factory=Counter)  # requests per worker or DP rank
     seconds: float = 0.0
+    predicted_prefilled: float | None = None  # what our router predicted the turns would prefill, where it routed
 
     def total(self, attribute: str) -> int:
         return sum(getattr(turn, attribute) for turns in self.turns.values() for turn in turns)
@@ -177,6 +178,15 @@ def dp_rank_requests(url: str) -> Counter | None:
     if any("dsv4_routing" not in state for state in states):
         return None
     return Counter({f"rank {state['attn_dp_rank']}": state["dsv4_routing"]["routed"] for state in states})
+
+
+def predicted_uncached_tokens(url: str) -> float | None:
+    """The prompt tokens our router has predicted uncached over every request it saw, summed over the ranks
+    (``dsv4_routing``'s mean times its count); None under SGLang's methods."""
+    states = requests.get(f"{url}/server_info", timeout=60).json()["internal_states"]
+    if any("dsv4_routing" not in state for state in states):
+        return None
+    return sum(s["dsv4_routing"]["mean_uncached_prompt_tokens"] * s["dsv4_routing"]["routed"] for s in states)
 
 
 @contextlib.contextmanager
@@ -274,10 +284,13 @@ CONFIGURATIONS = {
 def replay_on_ranks(name: str, server: str, url: str, bench: Bench) -> Replay:
     """:func:`replay` through ``url`` in front of the DP server ``server``; the requests each rank served are
     our router's count (``dsv4_routing.routed``, pinned requests included) over the replay, or where SGLang's
-    method routes, the replies' ``meta_info.dp_rank``."""
-    before = dp_rank_requests(server)
+    method routes, the replies' ``meta_info.dp_rank``. Under our router, also what it predicted the replay would
+    prefill."""
+    before, predicted_before = dp_rank_requests(server), predicted_uncached_tokens(server)
     result = replay(name, url, bench)
-    after = dp_rank_requests(server)
+    after, predicted_after = dp_rank_requests(server), predicted_uncached_tokens(server)
+    if predicted_before is not None and predicted_after is not None:
+        result.predicted_prefilled = predicted_after - predicted_before
     if before is not None and after is not None:
         result.workers = Counter({rank: after[rank] - before[rank] for rank in after})  # ranks with none kept
     print(f"  requests per rank: {dict(result.workers)}", flush=True)
@@ -290,7 +303,8 @@ def row(result: Replay, base: Replay) -> str:
     split = " / ".join(str(n) for _, n in sorted(result.workers.items()))
     sticky = "n/a" if result.sticky_sessions is None else f"{result.sticky_sessions} / {len(result.turns)}"
     later_first = sum(turn.cached_tokens for turn in result.later_first_turns) / max(len(result.later_first_turns), 1)
-    return (f"| {result.name} | {prompt:,} | {cached:,} | {prompt - cached:,} | {cached / prompt:.3f} |"
+    predicted = "n/a" if result.predicted_prefilled is None else f"{result.predicted_prefilled:,.0f}"
+    return (f"| {result.name} | {prompt:,} | {cached:,} | {prompt - cached:,} | {predicted} | {cached / prompt:.3f} |"
             f" {cached / max(reusable, 1):.3f} | {split} | {sticky} | {later_first:,.0f} |"
             f" {result.first_turns_with_leader} / {len(result.later_first_turns)} | {same} / {base.requests} |"
             f" {result.seconds:.0f} |")  # fmt: skip
@@ -298,11 +312,12 @@ def row(result: Replay, base: Replay) -> str:
 
 def table(results: list[Replay]) -> str:
     lines = [
-        "| configuration | prompt tokens | resumed (cached_tokens) | prefilled | resumed / prompt |"
+        "| configuration | prompt tokens | resumed (cached_tokens) | prefilled | prefilled as our router predicted |"
+        " resumed / prompt |"
         " resumed / reusable | requests per worker or rank | sessions on one worker |"
         " later sessions' first turns: mean resumed | later first turns where the first session's ran |"
         " outputs equal to the first | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(lines + [row(result, results[0]) for result in results])
 
@@ -315,11 +330,16 @@ def fork_prefix(tokenizer, trajectory: Trajectory, turns: int) -> list[int]:
     return render(tokenizer, tuple(messages))
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def as_json(result: Replay) -> dict:
     """One configuration's figures, per turn, for the record."""
     return {
         "name": result.name,
         "seconds": result.seconds,
+        "predicted_prefilled": result.predicted_prefilled,
         "requests_per_worker": dict(result.workers),
         "sessions": {
             name: [{k: v for k, v in vars(turn).items() if k != "output_ids"} for turn in turns]
@@ -351,6 +371,11 @@ def main() -> None:
     sessions = [first_turns(t, args.turns) for t in recorded[: args.sessions]]
     shared_prefix = fork_prefix(tokenizer, recorded[args.sessions], args.fork_turns) if args.fork_turns else []
     turns = sum(len(t.turns) for t in sessions)
+    if shared_prefix:
+        first_prompts = [shared_prefix + render(tokenizer, t.turns[0].new_messages) for t in sessions]
+        shared = [_common_prefix(first_prompts[0], prompt) for prompt in first_prompts[1:]]
+        print(f"The later sessions' first prompts share {sum(shared) / len(shared):,.0f} tokens on average with the"
+              f" first session's (the match smg's tree credits on the worker that ran it)", flush=True)  # fmt: skip
     print(f"{len(sessions)} recorded sessions, their first {args.turns} turns ({turns} requests), all at once;"
           f" a shared prefix of {len(shared_prefix):,} tokens;"
           f" pools of {args.max_total_tokens:,} tokens per server or rank; logs in {work}", flush=True)  # fmt: skip

@@ -112,7 +112,7 @@ def measure(context: int, session_count: int, turns: int, seed: int) -> dict[str
 
 def table(results: dict[int, dict[str, list[float]]]) -> str:
     lines = [
-        "| session context (tokens) | "
+        "| session history before the timed turns (tokens) | "
         + " | ".join(f"{call} (µs, median / p90)" for call in CALLS)
         + " | sum of medians (µs) |",
         "|---|" + "---|" * (len(CALLS) + 1),

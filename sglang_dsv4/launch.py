@@ -29,7 +29,11 @@ def free_port() -> int:
 
 # Under attention DP, SGLang binds ``port + 233`` (its ``ZMQ_TCP_PORT_DELTA``) and the six ports after it.
 DERIVED_PORT_OFFSETS = range(233, 233 + 7)
-SERVER_PORTS = range(10_000, 32_768 - DERIVED_PORT_OFFSETS[-1])  # below Linux's ephemeral range (32768 up)
+# Below 22000, where SGLang picks each server's ``nccl_port`` after our check (``get_free_port_below_ephemeral``:
+# 22000 up to the ephemeral range) and where smg binds its metrics (29000 by default), so neither can take a
+# derived port between our check and SGLang's precheck; and below Linux's ephemeral range (32768 up).
+SGLANG_NCCL_PORTS_START = 22_000
+SERVER_PORTS = range(10_000, SGLANG_NCCL_PORTS_START - DERIVED_PORT_OFFSETS[-1])
 
 
 def free_server_port() -> int:

@@ -3,6 +3,7 @@ stopping one leaves none of its processes behind."""
 
 from __future__ import annotations
 
+import inspect
 import random
 import socket
 import subprocess
@@ -55,3 +56,10 @@ def test_a_server_port_is_chosen_with_the_ports_sglang_derives_from_it_free(monk
         monkeypatch.setattr(random, "sample", lambda population, count: [first, second])
         assert launch.free_server_port() == second
     assert all(port < 32768 - launch.DERIVED_PORT_OFFSETS[-1] for port in (first, second))
+
+
+def test_a_server_port_derives_no_port_where_sglang_picks_its_nccl_port():
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
+
+    nccl_ports_start = inspect.signature(get_free_port_below_ephemeral).parameters["low"].default
+    assert launch.SERVER_PORTS[-1] + launch.DERIVED_PORT_OFFSETS[-1] < nccl_ports_start

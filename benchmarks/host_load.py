@@ -32,7 +32,7 @@ from engine_step import DEVICE, DTYPE, KINDS, Timer, build_attention, kinds_of
 
 from sglang_dsv4.attention_backend import batched
 from sglang_dsv4.config import DeepseekV4Config, named_config
-from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
+from sglang_dsv4.memory_pool.layout import PoolLayout
 from sglang_dsv4.memory_pool.ledger import KV_DTYPES
 
 CHUNK = 8192
@@ -129,14 +129,12 @@ def prefill_us(config: DeepseekV4Config, tokens: int, timer: Timer) -> dict[str,
             plan = batched.BatchPlan([1], [start], [length])
             x = torch.randn(length, config.hidden_size, device=DEVICE, dtype=DTYPE)
 
-            def run(plan=plan, x=x) -> torch.Tensor:
+            def run(plan=plan, x=x, layer=layer, attention=attention, pools=pools) -> torch.Tensor:
                 index = batched.build_index(plan, pools, config, DEVICE)
                 return attention.project_out(batched.attend(attention, layer, x, index, pools))
 
             total += timer.median_us(run)
         per_kind[kind] = total
-        del pools, attention
-        torch.cuda.empty_cache()
     layers = [config.layer_kind(i) for i in range(config.num_layers)]
     return {"per_layer_kind_us": per_kind, "composed_us": sum(per_kind[k] for k in layers)}
 

@@ -14,8 +14,8 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    then :func:`~sglang_dsv4.attention_backend.batched.attend` and the output projection;
 3. replays it on new inputs (other hidden states) and checks the output and every row it wrote
    bitwise equal to the same step run eagerly from the same pool state;
-4. times, each as a replayed graph: the whole step; the decode index build alone (once per
-   forward in serving, shared by every layer); the layer's step without it (what each layer
+4. times, each as a replayed graph: the whole step; the decode index build alone (with the forward's rope
+   tables; once per forward in serving, shared by every layer); the layer's step without it (what each layer
    adds to a forward); the projections alone (query, KV, output, compressor and indexer
    projections) against their weight-bytes floor; the attention core alone (the indexer's
    top-k and the sparse softmax over window, entries and sink, on selections staged from the
@@ -60,7 +60,7 @@ from sglang_dsv4.kernels.kv_format import PoolFormats
 from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
 from sglang_dsv4.memory_pool.ledger import KV_DTYPES
 from sglang_dsv4.model.attention import Attention
-from sglang_dsv4.model.rope import Rotary
+from sglang_dsv4.model.rope import ForwardRope, Rotary
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))  # the kernel benchmarks' timer and ceilings
 from attention_indexer import Timer, floor_us, measure_ceilings
@@ -242,18 +242,19 @@ def replay_equals_eager(step: DecodeStep, graph: torch.cuda.CUDAGraph, output: t
 
 
 class Projections:
-    """The step's projections alone: query, KV, compressor and indexer, output."""
+    """The step's projections alone: query, KV, compressor and indexer, output (roped at tables ``rope`` computed
+    before, as a forward's index computes them once for every layer)."""
 
-    def __init__(self, step: DecodeStep, positions: torch.Tensor):
-        self.step, self.positions = step, positions
+    def __init__(self, step: DecodeStep, rope: ForwardRope):
+        self.step, self.rope = step, rope
 
     def __call__(self) -> torch.Tensor:
         attention, x = self.step.attention, self.step.x
-        q_residual, q, _, _, _ = attention.project(x, self.positions)
+        q_residual, q, _, _, _ = attention.project(x, self.rope)
         if attention.compressor is not None:
             attention.compressor.wkv(x), attention.compressor.wgate(x)
         if attention.indexer is not None:
-            attention.indexer.queries(x, q_residual, self.positions)
+            attention.indexer.queries(x, q_residual, self.rope)
             attention.indexer.compressor.wkv(x), attention.indexer.compressor.wgate(x)
         return attention.project_out(q)
 
@@ -264,7 +265,7 @@ class AttentionCore:
     def __init__(self, step: DecodeStep, config: DeepseekV4Config):
         attention, pools = step.attention, step.pools
         index = step.graph_index.build(step.rows, step.seq_lens)
-        q_residual, self.q, kv, self.cos, self.sin = attention.project(step.x, index.positions)
+        q_residual, self.q, kv, self.cos, self.sin = attention.project(step.x, index.rope)
         formats = pools.formats
         staged = torch.cat([formats.entries.encode(kv), pools.window[step.layer][index.window.previous_slots]])
         self.window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
@@ -378,7 +379,7 @@ def bench(
     if attention.indexer is not None:
         row["topk_triton_us"], row["topk_torch_us"] = top_k_pair_us(config, step, context, timer)
     positions = torch.full((batch,), context - 1, device=DEVICE)
-    row["projections_us"] = timer.graph_us(Projections(step, positions))
+    row["projections_us"] = timer.graph_us(Projections(step, ForwardRope.of_model(positions, config)))
     row["projections_floor_us"], row["projections_bound"] = floor_us(
         weight_bytes(attention), 2 * batch * weight_bytes(attention) / DTYPE.itemsize, ceilings
     )

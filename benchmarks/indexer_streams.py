@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from sglang_dsv4 import DeepseekV4, load_model
+from sglang_dsv4.model.rope import ForwardRope
 from sglang_dsv4.tiny import TINY_CONFIG, random_model, shipped_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +55,8 @@ def score_streams(model: DeepseekV4, prompt: torch.Tensor, steps: int, chunk: in
             position = torch.tensor([start + x.shape[0] - 1], device=x.device)
             keys = state.indexer.entries[: (int(position) + 1) // module.indexer.compressor.ratio]
             q_residual = module.q_norm(module.wq_a(x[-1:]))
-            recorded.append(module.indexer.scores(x[-1:], q_residual, position, keys)[0])
+            rope = ForwardRope.at(position, (module.indexer.rotary,))
+            recorded.append(module.indexer.scores(x[-1:], q_residual, rope, keys)[0])
 
         handles.append((block.attn, record))
     state = model.new_state()

@@ -62,6 +62,7 @@ from sglang_dsv4.model import load_model
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.network import DeepseekV4
+from sglang_dsv4.model.rope import ForwardRope
 from sglang_dsv4.tiny import TINY_CONFIG, random_model, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +179,8 @@ class IndexerDistillation:
             indexer = attn.indexer
             state = indexer.compressor.new_state(x.dtype, x.device)
             indexer.compressor.advance(x, 0, state)
-            scores = indexer.scores(x, record["q_residual"].detach(), record["positions"], state.entries)
+            rope = ForwardRope.at(record["positions"], (indexer.rotary,))
+            scores = indexer.scores(x, record["q_residual"].detach(), rope, state.entries)
             log_probs = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             kl = (target * (target.clamp_min(1e-9).log() - log_probs.masked_fill(~visible, 0.0))).sum(dim=-1)
             losses.append(kl[rows].mean())

@@ -30,6 +30,7 @@ from sglang_dsv4.kernels.selection import KVSelection
 from sglang_dsv4.kernels.sparse_torch import sparse_attention, sparse_decode_attention_reference, streamed_top_k
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.model.network import run_blocks
+from sglang_dsv4.model.rope import ForwardRope
 
 ROWS, CONTEXT, TOKENS = 9, 2048, 8192
 
@@ -594,7 +595,7 @@ def test_indexer_selections_equal_the_reference(tiny_model):
         pool.manager.reserve(row, start + length)
     index = batched.build_index(plan, pool.storage.tables, tiny_model.config, "cpu")
     x = torch.randn(sum(lengths), tiny_model.config.hidden_size)
-    q_residual, *_ = attention.project(x, index.positions)
+    q_residual, *_ = attention.project(x, index.rope)
     # The keys the reference selects from: the pool's, advanced by the same tokens.
     expected, offset = [], 0
     for row, start, length in zip([1, 2], starts, lengths, strict=True):
@@ -603,7 +604,8 @@ def test_indexer_selections_equal_the_reference(tiny_model):
         positions = torch.arange(start, start + length)
         attention.indexer.compressor.advance(x[rows], start, state.indexer)
         visible = torch.arange(state.indexer.entries.shape[0])[None, :] < ((positions + 1) // 4)[:, None]
-        expected.append(attention.indexer.select(x[rows], q_residual[rows], positions, state.indexer, visible))
+        rope = ForwardRope.at(positions, (attention.indexer.rotary,))
+        expected.append(attention.indexer.select(x[rows], q_residual[rows], rope, state.indexer, visible))
         offset += length
     records = batched._records(pool.storage, (layer, "indexer"))
     keys = batched._Rows(pool.storage.compressed[(layer, "indexer_keys")], pool.storage.formats.indexer_keys)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import random_ids
 
+from sglang_dsv4.model.rope import ForwardRope
+
 
 def test_indexer_selects_the_same_entries_as_hf_indexer(tiny_model, hf_tiny):
     layer = next(i for i in range(tiny_model.config.num_layers) if tiny_model.config.layer_kind(i) == "csa")
@@ -19,7 +21,7 @@ def test_indexer_selects_the_same_entries_as_hf_indexer(tiny_model, hf_tiny):
     state = ours.new_state(torch.float32, "cpu").indexer
     ours.indexer.compressor.advance(x, 0, state)
     visible = torch.arange(state.entries.shape[0])[None, :] < ((positions + 1) // 4)[:, None]
-    selected = ours.indexer.select(x, q_residual, positions, state, visible)
+    selected = ours.indexer.select(x, q_residual, ForwardRope.at(positions, (ours.rotary,)), state, visible)
 
     with torch.no_grad():
         hf_top = theirs(x[None], q_residual[None], positions[None], None, layer)[0]
@@ -63,11 +65,12 @@ def test_indexer_takes_the_earliest_of_tied_keys_as_the_served_top_k_does(tiny_m
     keys = torch.zeros(entries, indexer.head_dim)
     visible = torch.arange(entries)[None, :] < ((positions + 1) // 4)[:, None]
 
-    selected = indexer.select_reference(x, q_residual, positions, keys, visible)
+    rope = ForwardRope.at(positions, (indexer.rotary,))
+    selected = indexer.select_reference(x, q_residual, rope, keys, visible)
 
     earliest = torch.arange(entries)[None, :] < indexer.topk
     assert torch.equal(selected, earliest.expand(length, -1))
-    q, head_weights = indexer.queries(x, q_residual, positions)
+    q, head_weights = indexer.queries(x, q_residual, rope)
     table, lengths = torch.arange(entries)[None], visible.sum(-1, dtype=torch.int32)
     served = streamed_top_k(q, head_weights, keys, table, torch.zeros(length, dtype=torch.long), lengths,
                             indexer.topk, scale=indexer.head_dim**-0.5)  # fmt: skip

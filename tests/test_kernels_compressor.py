@@ -231,7 +231,9 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
         window_table=torch.arange(request_rows * 8 * ratio).view(request_rows, 8 * ratio),
         entry_table={ratio: 1 + torch.arange(request_rows * blocks).view(request_rows, blocks)},
     )
-    config = types.SimpleNamespace(sliding_window=8, csa_rate=4)
+    config = types.SimpleNamespace(
+        sliding_window=8, csa_rate=4, rope_head_dim=ROPE_DIM, rope_theta=10000.0, compress_rope_theta=10000.0, yarn=None
+    )
     index = batched.build_decode_index(rows, positions + 1, snapshot_records, tables, config)
     state = torch.randn(request_rows, pools, 3, DIM)
     for row, position in zip(rows.tolist(), positions.tolist(), strict=True):

@@ -11,6 +11,7 @@ import torch
 from kernel_testing import interpreted_only, launcher_only, run_under_interpreter
 
 from sglang_dsv4.attention_backend import batched
+from sglang_dsv4.config import YarnScaling
 
 
 @launcher_only
@@ -40,7 +41,10 @@ def test_kernel_built_decode_index_equals_the_torch_build(requests):
         window_table=torch.randint(1, 1000, (request_rows, columns + 1), generator=generator),
         entry_table={r: torch.randint(1, 1000, (request_rows, columns // r + 1), generator=generator) for r in ratios},
     )
-    config = types.SimpleNamespace(sliding_window=window, csa_rate=4)
+    yarn = YarnScaling(factor=4.0, original_max_position_embeddings=16)
+    config = types.SimpleNamespace(
+        sliding_window=window, csa_rate=4, rope_head_dim=8, rope_theta=10000.0, compress_rope_theta=160000.0, yarn=yarn
+    )
     graph_index = batched.DecodeGraphIndex(8, tables, config, "cpu")
     checkpoint = types.SimpleNamespace
     graph_index.stage_checkpoints(

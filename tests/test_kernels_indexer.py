@@ -19,7 +19,7 @@ from kernel_testing import interpreted_only, launcher_only, poison_allocations, 
 from sglang_dsv4.config import parse_config
 from sglang_dsv4.kernels.kv_format import Fp8KeyRows
 from sglang_dsv4.model.indexer import Indexer
-from sglang_dsv4.model.rope import Rotary
+from sglang_dsv4.model.rope import ForwardRope, Rotary
 from sglang_dsv4.tiny import TINY_CONFIG
 
 UNWRITTEN = -7
@@ -247,11 +247,12 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch, p
     force_top_k(indexer, monkeypatch, path)
 
     with torch.no_grad():
-        q, head_weights = module.queries(x, q_residual, positions)
+        rope = ForwardRope.at(positions, (module.rotary,))
+        q, head_weights = module.queries(x, q_residual, rope)
         chosen = indexer.select_visible(
             q, head_weights, state.entries, visible, module.topk, scale=module.head_dim**-0.5
         )
-        expected = module.select(x, q_residual, positions, state, visible)
+        expected = module.select(x, q_residual, rope, state, visible)
     assert visible.sum(-1).max() > module.topk
     assert torch.equal(chosen, expected)
 

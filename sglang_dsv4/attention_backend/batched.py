@@ -14,8 +14,8 @@ It computes what the torch reference backend computes request by request (and th
   one softmax covers window, entries and the sink (:func:`~sglang_dsv4.kernels.dispatch.sparse_attention`:
   the Triton kernel on CUDA, tiled torch elsewhere, as for the indexer's top-k).
 
-Everything a forward needs to find its rows is built once, before the first layer, as index
-tensors (:class:`ForwardIndex`, from plain fields: :class:`BatchPlan`); each layer then runs
+Everything a forward needs to find its rows, and its tokens' rope tables, is built once, before the first
+layer, as index tensors (:class:`ForwardIndex`, from plain fields: :class:`BatchPlan`); each layer then runs
 one batched call per operation, with no per-request loop and no host synchronisation.
 Rows that must write somewhere but have nothing to write (an entry of an incomplete block,
 a snapshot a decode row does not take) write the pools' padding row 0, which nothing reads,
@@ -49,6 +49,7 @@ from ..kernels.selection import KVSelection
 from ..model.attention import Attention
 from ..model.compressor import BlockTargets, Compressor
 from ..model.indexer import Indexer
+from ..model.rope import ForwardRope, model_rotaries
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class EntryReads:
 @dataclass(frozen=True)
 class ForwardIndex:
     positions: torch.Tensor  # [tokens]
+    rope: ForwardRope  # both rope flavours' cos, sin at the positions, once for every layer
     token_request: torch.Tensor  # [tokens]: batch index
     rows: torch.Tensor  # [requests]: pool row (state records)
     single_step_rows: torch.Tensor  # [requests]: the row where a forward runs one token, else 0
@@ -340,7 +342,8 @@ class DecodeGraphIndex:
         return _copy_into(self.buffers, build_decode_index(rows, seq_lens, records, self.tables, self.config))
 
     def build_in_kernels(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> ForwardIndex:
-        """:meth:`build` through the Triton kernels, whatever the device (the CPU runs them interpreted)."""
+        """:meth:`build` through the Triton kernels, whatever the device (the CPU runs them interpreted), then the
+        rope tables at the new positions (:meth:`~sglang_dsv4.model.rope.ForwardRope.rewrite`)."""
         from ..kernels.decode_index import fill_ratio_index, fill_window_index
 
         requests, max_requests = rows.shape[0], self.buffers.rows.shape[0]
@@ -355,6 +358,7 @@ class DecodeGraphIndex:
             fields = _fields_of(targets) | _fields_of(targets.blocks) | _fields_of(reads)
             fill_ratio_index(rows, seq_lens, self.pending, self.tables.entry_table[ratio], fields, ratio=ratio)
             compressors[ratio] = replace(targets, blocks=replace(targets.blocks, touched=requests))
+        index.rope.rewrite(index.positions, model_rotaries(self.config))
         owners = _tile_owners(list(range(requests)))
         return replace(index, compressors=compressors, tile_owners=owners)
 
@@ -597,6 +601,7 @@ def _index_of(
     ratios = sorted(entry_tables)
     return ForwardIndex(
         positions=batch.positions,
+        rope=ForwardRope.of_model(batch.positions, config),
         token_request=batch.token_request,
         rows=batch.rows,
         single_step_rows=torch.where(batch.lengths == 1, batch.rows, 0),
@@ -700,7 +705,7 @@ def attend(
     """Attention of the forward's tokens ``x [tokens, hidden]`` before the output projection:
     ``[tokens, local heads, head_dim]`` for query heads ``heads`` (all by default; a tensor-parallel
     rank passes its own). Advances the layer's pools in place."""
-    q_residual, q, kv, cos, sin = attention.project(x, index.positions)
+    q_residual, q, kv, cos, sin = attention.project(x, index.rope)
     window_rows, formats = storage.window[layer], storage.formats
     # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
     # stored rows, which the attention decodes where it reads them.
@@ -740,7 +745,7 @@ def select_entries(
 ) -> torch.Tensor:
     """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1
     (``keys``: the indexer key pool, its rows stored in ``keys_format``)."""
-    q, head_weights = indexer.queries(x, q_residual, index.positions)
+    q, head_weights = indexer.queries(x, q_residual, index.rope)
     reads = index.entries[indexer.compressor.ratio]
     return index_top_k(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,

@@ -256,13 +256,10 @@ class Indexer(Protocol):
     head_dim: int
     topk: int
 
-    def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def select_reference(
-        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-        visible: torch.Tensor,
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: Any, keys: torch.Tensor, visible: torch.Tensor,
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -270,18 +267,19 @@ def select_visible(
     indexer: Indexer,
     x: torch.Tensor,
     q_residual: torch.Tensor,
-    positions: torch.Tensor,
+    rope: Any,
     keys: torch.Tensor,
     visible: torch.Tensor,
 ) -> torch.Tensor:
-    """Boolean ``[L, len(keys)]``: the indexer's top-k of each query's visible keys (scoring, then an
-    exact top-k, in Triton; :meth:`Indexer.select_reference` in torch)."""
+    """Boolean ``[L, len(keys)]``: the indexer's top-k of each query's visible keys, its queries roped at the
+    forward's tables ``rope`` (:class:`~sglang_dsv4.model.rope.ForwardRope`; scoring, then an exact top-k, in
+    Triton; :meth:`Indexer.select_reference` in torch)."""
     if uses_triton(x):
         from .indexer import select_visible as kernel
 
-        q, head_weights = indexer.queries(x, q_residual, positions)
+        q, head_weights = indexer.queries(x, q_residual, rope)
         return kernel(q, head_weights, keys, visible, indexer.topk, scale=indexer.head_dim**-0.5)
-    return indexer.select_reference(x, q_residual, positions, keys, visible)
+    return indexer.select_reference(x, q_residual, rope, keys, visible)
 
 
 class DecodeIndex(Protocol):
@@ -295,7 +293,7 @@ class DecodeIndex(Protocol):
 
 def fill_decode_index(index: DecodeIndex, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any:
     """A decode batch's index in the graph's buffers: the Triton kernels of :mod:`.decode_index` (three
-    launches), or the torch build."""
+    launches, then the rope tables' four a flavour), or the torch build."""
     if uses_triton(rows):
         return index.build_in_kernels(rows, seq_lens)
     return index.build_in_torch(rows, seq_lens)

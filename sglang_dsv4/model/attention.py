@@ -20,7 +20,7 @@ from .compressor import Compressor, CompressorState
 from .indexer import Indexer
 from .linears import Layers, WholeLayers
 from .norms import RMSNorm, rms_normalize
-from .rope import Rotary, apply_rope
+from .rope import ForwardRope, Rotary, apply_rope
 from .state import LayerState
 
 
@@ -72,7 +72,8 @@ class Attention(nn.Module):
         """Attend tokens ``start .. start + L - 1`` (``x``: ``[L, hidden]``), advancing ``state``."""
         length = x.shape[0]
         positions = torch.arange(start, start + length, device=x.device)
-        q_residual, q, kv, cos, sin = self.project(x, positions)
+        rope = ForwardRope.at(positions, (self.rotary,))
+        q_residual, q, kv, cos, sin = self.project(x, rope)
         if state.stored_as is not None:
             kv = state.stored_as.entries.round_trip(kv)
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         offsets = positions[:, None] - key_positions[None, :]
         visible = (offsets >= 0) & (offsets < self.window)
         if self.compressor is not None:
-            entries, entry_visible = self._compressed(x, q_residual, start, positions, state)
+            entries, entry_visible = self._compressed(x, q_residual, start, positions, rope, state)
             keys = torch.cat([keys, entries])
             visible = torch.cat([visible, entry_visible], dim=1)
         state.window = keys[: key_positions.shape[0]][-self.window :]
@@ -91,14 +92,15 @@ class Attention(nn.Module):
         return self.project_out(out)
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, rope: ForwardRope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projections of tokens ``x [L, hidden]`` at ``positions [L]``: ``(q_residual, q, kv, cos, sin)``.
+        """The projections of tokens ``x [L, hidden]`` roped at the forward's tables ``rope`` (at the tokens'
+        positions): ``(q_residual, q, kv, cos, sin)``.
 
         ``q`` ``[L, heads, head_dim]`` and ``kv`` ``[L, head_dim]`` are normalised and roped;
-        ``q_residual`` is the low-rank query the indexer reads; ``cos, sin`` are the rope at ``positions``.
+        ``q_residual`` is the low-rank query the indexer reads; ``cos, sin`` are this layer's flavour of ``rope``.
         """
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = rope.cos_sin(self.rotary)
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         q = normalize_rope(q, cos, sin, self._normalize_rope_queries, eps=self.eps)
@@ -116,7 +118,13 @@ class Attention(nn.Module):
         return apply_rope(self.kv_norm(kv), cos, sin)
 
     def _compressed(
-        self, x: torch.Tensor, q_residual: torch.Tensor, start: int, positions: torch.Tensor, state: LayerState
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        start: int,
+        positions: torch.Tensor,
+        rope: ForwardRope,
+        state: LayerState,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance the compressors; return the entries and which of them each query reads."""
         assert self.compressor is not None and state.compressor is not None
@@ -132,7 +140,7 @@ class Attention(nn.Module):
             assert state.indexer is not None
             appended = self.indexer.compressor.advance(x, start, state.indexer)
             _read_as_stored(state.indexer, appended, formats.indexer_keys if formats is not None else None)
-            visible = self.indexer.select(x, q_residual, positions, state.indexer, visible)
+            visible = self.indexer.select(x, q_residual, rope, state.indexer, visible)
         return entries, visible
 
     def attend_reference(

@@ -16,7 +16,7 @@ from ..kernels.dispatch import normalize_rope, select_visible
 from ..kernels.sparse_torch import top_k_earliest_ties
 from .compressor import Compressor, CompressorState
 from .linears import Layers, WholeLayers
-from .rope import Rotary, apply_rope
+from .rope import ForwardRope, Rotary, apply_rope
 
 
 class Indexer(nn.Module):
@@ -34,19 +34,18 @@ class Indexer(nn.Module):
         )
 
     def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: ForwardRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roped index queries ``[L, heads, head_dim]`` and their head weights ``[L, heads]`` (float32)."""
+        """Index queries ``[L, heads, head_dim]`` roped at the forward's tables ``rope``, and their head weights
+        ``[L, heads]`` (float32)."""
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = rope.cos_sin(self.rotary)
         head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
         return normalize_rope(q, cos, sin, apply_rope), head_weights
 
-    def scores(
-        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
-    ) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, rope: ForwardRope, keys: torch.Tensor) -> torch.Tensor:
         """Index scores ``[L, num_keys]`` of every query against every key (float32)."""
-        q, head_weights = self.queries(x, q_residual, positions)
+        q, head_weights = self.queries(x, q_residual, rope)
         dots = torch.einsum("lhd,kd->lhk", q.float(), keys.float()).relu() * self.head_dim**-0.5
         return torch.einsum("lhk,lh->lk", dots, head_weights)
 
@@ -54,11 +53,11 @@ class Indexer(nn.Module):
         self,
         x: torch.Tensor,
         q_residual: torch.Tensor,
-        positions: torch.Tensor,
+        rope: ForwardRope,
         state: CompressorState,
         visible: torch.Tensor,
     ) -> torch.Tensor:
-        """Boolean ``[L, num_keys]``: the top-k visible keys of each query.
+        """Boolean ``[L, num_keys]``: the top-k visible keys of each query (``rope``: the tables at its position).
 
         ``state`` must already hold the keys of every block complete at the chunk's end;
         ``visible`` marks the keys whose block is complete at each query's position.
@@ -66,19 +65,19 @@ class Indexer(nn.Module):
         keys = state.entries
         if keys.shape[0] == 0:
             return visible
-        return select_visible(self, x, q_residual, positions, keys, visible)
+        return select_visible(self, x, q_residual, rope, keys, visible)
 
     def select_reference(
         self,
         x: torch.Tensor,
         q_residual: torch.Tensor,
-        positions: torch.Tensor,
+        rope: ForwardRope,
         keys: torch.Tensor,
         visible: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`select` in torch, over keys ``[num_keys, index_head_dim]``; of keys with equal scores the
         earliest are taken (:func:`~sglang_dsv4.kernels.sparse_torch.top_k_earliest_ties`)."""
-        scores = self.scores(x, q_residual, positions, keys).masked_fill(~visible, float("-inf"))
+        scores = self.scores(x, q_residual, rope, keys).masked_fill(~visible, float("-inf"))
         _, top = top_k_earliest_ties(scores, self.topk)
         chosen = torch.zeros_like(visible).scatter_(-1, top, True)
         return chosen & visible

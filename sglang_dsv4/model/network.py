@@ -25,7 +25,7 @@ from .attention import Attention
 from .linears import Layers, WholeLayers
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm
-from .rope import Rotary
+from .rope import Rotary, model_rotaries
 from .state import RequestState
 
 ExpertsFactory = Callable[[DeepseekV4Config, int], nn.Module]
@@ -196,8 +196,7 @@ class DeepseekV4(nn.Module):
     ):
         super().__init__()
         self.config = config
-        plain = Rotary(config.rope_head_dim, config.rope_theta, None)
-        compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
+        plain, compress = model_rotaries(config)
         self.embed = layers.embedding(config.vocab_size, config.hidden_size, "embed")
         attention_layers = attention_layers or layers
         self.layers = nn.ModuleList(

@@ -2,16 +2,23 @@
 
 Window-only layers use plain rope at ``rope_theta``; compressed layers (their
 attention, compressor and indexer) use ``compress_rope_theta`` with YaRN frequency
-interpolation and no attention rescaling.
+interpolation and no attention rescaling. A forward's tokens take each flavour's
+``cos, sin`` once (:class:`ForwardRope`), read by every layer of that flavour.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from ..config import YarnScaling
+from ..config import DeepseekV4Config, YarnScaling
+
+# What sets a rope's tables: (rope_dim, theta, YaRN scaling or None).
+RopeFlavour = tuple[int, float, YarnScaling | None]
 
 
 def rope_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -43,6 +50,7 @@ class Rotary:
 
     def __init__(self, rope_dim: int, theta: float, yarn: YarnScaling | None):
         self.rope_dim = rope_dim
+        self.flavour: RopeFlavour = (rope_dim, theta, yarn)
         self.inv_freq = rope_frequencies(rope_dim, theta, yarn)
         self._inv_freq_copies: dict[torch.device, torch.Tensor] = {}
 
@@ -54,8 +62,69 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[len(positions), rope_dim // 2]`` in float32."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
+        angles = self._angles(positions)
         return angles.cos(), angles.sin()
+
+    def write_cos_sin(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """:meth:`cos_sin` written into ``cos, sin`` (tensors of its shape), with no allocation of theirs."""
+        angles = self._angles(positions)
+        torch.cos(angles, out=cos)
+        torch.sin(angles, out=sin)
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
+
+
+def model_rotaries(config: DeepseekV4Config) -> tuple[Rotary, Rotary]:
+    """The model's two flavours, ``(plain, compressed)``: window-only layers' and compressed layers'. One pair per
+    set of parameters in the process, so that each keeps its device copy of ``inv_freq``."""
+    return _rotaries(config.rope_head_dim, config.rope_theta, config.compress_rope_theta, config.yarn)
+
+
+@functools.cache
+def _rotaries(rope_dim: int, theta: float, compress_theta: float, yarn: YarnScaling | None) -> tuple[Rotary, Rotary]:
+    return Rotary(rope_dim, theta, None), Rotary(rope_dim, compress_theta, yarn)
+
+
+@dataclass(frozen=True)
+class CosSin:
+    """One flavour's tables at a forward's positions, ``[tokens, rope_dim // 2]`` float32 (:meth:`Rotary.cos_sin`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardRope:
+    """The ``cos, sin`` of a forward's token positions for each rope flavour its layers use, computed once for the
+    forward (:meth:`Rotary.cos_sin`, four launches a flavour) and read by every layer of that flavour and its
+    indexer, instead of once in each of them."""
+
+    tables: dict[RopeFlavour, CosSin]
+
+    @staticmethod
+    def at(positions: torch.Tensor, rotaries: Iterable[Rotary]) -> ForwardRope:
+        """The tables of ``rotaries``' flavours at ``positions [tokens]``."""
+        return ForwardRope({rotary.flavour: CosSin(*rotary.cos_sin(positions)) for rotary in rotaries})
+
+    @staticmethod
+    def of_model(positions: torch.Tensor, config: DeepseekV4Config) -> ForwardRope:
+        """The tables of both of the model's flavours (:func:`model_rotaries`) at ``positions``."""
+        return ForwardRope.at(positions, model_rotaries(config))
+
+    def rewrite(self, positions: torch.Tensor, rotaries: Iterable[Rotary]) -> None:
+        """The tables of ``rotaries``' flavours recomputed in place at ``positions`` (a CUDA graph's index buffers,
+        whose addresses must not change)."""
+        for rotary in rotaries:
+            table = self.tables[rotary.flavour]
+            rotary.write_cos_sin(positions, table.cos, table.sin)
+
+    def cos_sin(self, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary``'s ``cos, sin`` at the forward's positions, as :meth:`Rotary.cos_sin` computes them."""
+        table = self.tables.get(rotary.flavour)
+        if table is None:
+            raise KeyError(f"no rope table of flavour {rotary.flavour}; this forward has {list(self.tables)}")
+        return table.cos, table.sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:

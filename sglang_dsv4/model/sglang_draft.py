@@ -35,7 +35,7 @@ from ..served_config import served_config
 from .checkpoint_check import check_checkpoint, shard_files
 from .loader import load_weights, read_safetensors, release_name
 from .network import MultiTokenPrediction, run_blocks
-from .rope import Rotary
+from .rope import model_rotaries
 from .sglang_layers import SGLangLayers
 from .sglang_model import attention_layers, parallel_feed_forward, residual_of_attention_group
 
@@ -47,8 +47,7 @@ class MultiTokenPredictionLayers(nn.Module):
 
     def __init__(self, config, quant_config=None):
         super().__init__()
-        plain = Rotary(config.rope_head_dim, config.rope_theta, None)
-        compress = Rotary(config.rope_head_dim, config.compress_rope_theta, config.yarn)
+        plain, compress = model_rotaries(config)
         self.mtp = nn.ModuleList(
             MultiTokenPrediction(
                 config,

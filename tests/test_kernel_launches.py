@@ -152,6 +152,18 @@ def test_norm_and_rope_fit_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_low_rank_query_norm_fits_in_every_dtype(hopper, model, dtype):
+    """The attention's ``q_norm`` alone (the norm and rope kernel with no rope) at the config's ``q_lora_rank``."""
+    from sglang_dsv4.kernels.norm_rope import rms_norm
+
+    config = named_config(model)
+    before = len(hopper.compiled)
+    rms_norm(torch.zeros(2, config.q_lora_rank, dtype=dtype), 1e-6, torch.ones(config.q_lora_rank, dtype=dtype))
+    assert_fits(hopper, before, 1)
+
+
 @pytest.mark.parametrize("width", [2049, 16384, 32769])
 def test_top_k_fits_at_decode_widths(hopper, width):
     """The whole-row select up to its widest rule width, and the three-launch top-k, at k = 512."""

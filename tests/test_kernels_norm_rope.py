@@ -85,3 +85,45 @@ def test_shipped_rows_equal_the_torch_path(model, dtype):
     assert_matches_torch(queries[:, :1], rotary, positions, "weighted")
     indexer_queries = torch.randn(2, config.index_n_heads, config.index_head_dim, generator=generator).to(dtype)
     assert_matches_torch(indexer_queries, rotary, positions, "none")
+
+
+def assert_norm_matches_torch(x: torch.Tensor) -> None:
+    """:func:`~sglang_dsv4.kernels.norm_rope.rms_norm` against :class:`RMSNorm`, to :func:`assert_matches_torch`'s
+    tolerances (the sum of squares in another order; bfloat16 truncated by the interpreter)."""
+    from sglang_dsv4.kernels.norm_rope import rms_norm
+
+    generator = torch.Generator().manual_seed(7)
+    module = RMSNorm(x.shape[-1], EPS).to(x.dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(x.shape[-1], generator=generator) + 0.5)
+        expected = module(x)
+    actual = rms_norm(x, EPS, module.weight.detach())
+    assert actual.dtype == x.dtype and actual.shape == x.shape
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-6)
+        return
+    ulp = torch.finfo(x.dtype).eps * expected.float().abs()
+    units = 4 if x.dtype == torch.bfloat16 else 1
+    assert ((actual.float() - expected.float()).abs() <= units * ulp).all()
+    if x.dtype == torch.float16:
+        assert (actual == expected).float().mean() > 0.99
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [16, 24])
+def test_small_rows_normalised_alone_equal_the_torch_norm(dtype, dim):
+    """Rows of any scale, a row's stride wider than its dim, a dim that is not a power of two."""
+    generator = torch.Generator().manual_seed(dim)
+    wide = torch.randn(3, dim + 5, generator=generator) * torch.tensor([0.01, 30.0, 1.0])[:, None]
+    assert_norm_matches_torch(wide[:, :dim].to(dtype))
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model", ["flash", "pro"])
+def test_shipped_low_rank_queries_normalised_equal_the_torch_norm(model, dtype):
+    """The attention's ``q_norm`` at the config's ``q_lora_rank`` (V4-Pro's 1,536 is no power of two)."""
+    config = named_config(model)
+    generator = torch.Generator().manual_seed(2)
+    assert_norm_matches_torch(torch.randn(3, config.q_lora_rank, generator=generator).to(dtype))

@@ -250,6 +250,16 @@ def normalize_rope(
     return in_torch(x, cos, sin)
 
 
+def rms_norm(norm: Norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` over rows ``x [L, dim]``: one Triton launch (``kernels/norm_rope.py``, the weighted norm with no
+    rope) where the norm's weight is in ``x``'s dtype, else the module itself (9 launches on CUDA)."""
+    if uses_triton(x) and norm.weight.dtype == x.dtype:
+        from .norm_rope import rms_norm as kernel
+
+        return kernel(x, norm.eps, norm.weight)
+    return norm(x)
+
+
 class Indexer(Protocol):
     """A lightning indexer (:class:`~sglang_dsv4.model.indexer.Indexer`) and its torch path."""
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV4Config
-from ..kernels.dispatch import attend_visible, normalize_rope
+from ..kernels.dispatch import attend_visible, normalize_rope, rms_norm
 from ..kernels.kv_format import RowFormat
 from .compressor import Compressor, CompressorState
 from .indexer import Indexer
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         ``q_residual`` is the low-rank query the indexer reads; ``cos, sin`` are this layer's flavour of ``rope``.
         """
         cos, sin = rope.cos_sin(self.rotary)
-        q_residual = self.q_norm(self.wq_a(x))
+        q_residual = rms_norm(self.q_norm, self.wq_a(x))
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         q = normalize_rope(q, cos, sin, self._normalize_rope_queries, eps=self.eps)
         kv = self.wkv(x)[:, None]

@@ -208,6 +208,33 @@ def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
     assert_fits(hopper, before, 2 * len(kinds))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", MODELS)
+def test_compressor_pair_decode_fits_in_every_dtype(hopper, model, dtype):
+    """A ratio-4 layer's compressor and its indexer's in one decode launch, at the config's dims."""
+    from sglang_dsv4.kernels.compressor import CompressorWeights, DecodeInto, DecodeRecords, compress_decode_pair_into
+
+    config = named_config(model)
+    positions = torch.zeros(2, dtype=torch.int64)
+
+    def step(dim: int) -> DecodeInto:
+        state = torch.zeros(3, 3, 3, dim)
+        weights = CompressorWeights(
+            torch.zeros(config.csa_rate, 2 * dim, dtype=dtype), torch.ones(dim, dtype=dtype), 1e-6,
+            torch.ones(config.rope_head_dim // 2), config.csa_rate, True,
+        )  # fmt: skip
+        rows = torch.zeros(2, dtype=torch.int64)
+        projections = torch.zeros(2, 2 * dim, dtype=dtype)
+        records = DecodeRecords(state, state, rows)
+        entries = torch.zeros(3, dim, dtype=dtype)
+        return DecodeInto(projections, projections, state, rows, weights, records, entries, rows)
+
+    before = len(hopper.compiled)
+    compress_decode_pair_into(positions, step(config.head_dim), step(config.index_head_dim))
+    assert_fits(hopper, before, 1)
+    assert [name for name, _ in hopper.new_since(before)] == ["_compress_decode_pair"]
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_chosen_entry_rows_fit(hopper, model):
     """The indexer's choice mapped to entry rows (integers only: no dtype to vary) at the config's top-k."""

@@ -272,3 +272,137 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
     real = rows[rows > 0]
     same(fresh["previous"][real], torch_side["previous"][real], "records one step back", equal_nan=True)
     same(fresh["checkpoint"][1:], torch_side["checkpoint"][1:], "snapshots")
+
+
+def decode_step(kernel, compressor: Compressor, x: torch.Tensor, positions: list[int], seed: int):
+    """A decode step's inputs for ``compressor`` (its projections of ``x``, at ``positions``, request ``i`` at state
+    row ``rows[i]``): states and records at random, the pools the position says are empty NaN, entries NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    dim, pools, ratio = compressor.dim, 3 if compressor.overlapping else 1, compressor.ratio
+    state = torch.randn(9, pools, 3, dim, generator=generator)
+    rows = torch.tensor([3, 8, 0, 6, 1, 5, 2][: len(positions)], dtype=torch.int32)
+    for row, position in zip(rows.tolist(), positions, strict=True):
+        if position % ratio == 0:
+            state[row, :2] = float("nan")
+        if compressor.overlapping and position < ratio:
+            state[row, 2] = float("nan")
+    records = kernel.DecodeRecords(
+        torch.randn(9, pools, 3, dim, generator=generator), torch.randn(5, pools, 3, dim, generator=generator),
+        torch.tensor([2, 0, 0, 1, 3, 4, 0][: len(positions)]),
+    )  # fmt: skip
+    entries = torch.full((20, dim), float("nan"), dtype=x.dtype)
+    entry_rows = torch.tensor([5, 0, 7, 0, 9, 11, 13][: len(positions)])
+    kv, gate = projections(compressor, x)
+    weights = weights_of(kernel, compressor)
+    return kernel.DecodeInto(kv, gate, state, rows, weights, records, entries, entry_rows)
+
+
+def written(step) -> list[torch.Tensor]:
+    return [step.state, step.records.previous, step.records.checkpoint, step.entries]
+
+
+def cloned(kernel, step):
+    records = step.records
+    return kernel.DecodeInto(
+        step.kv, step.gate, step.state.clone(), step.state_rows, step.weights,
+        kernel.DecodeRecords(records.previous.clone(), records.checkpoint.clone(), records.checkpoint_rows),
+        step.entries.clone(), step.entry_rows,
+    )  # fmt: skip
+
+
+@interpreted_only
+@pytest.mark.parametrize("second_kind", [(4, True, 32), (16, False, 8)], ids=["indexer-like", "disjoint"])
+def test_two_compressors_in_one_launch_write_what_each_writes_alone(kernel, second_kind):
+    """A ratio-4 layer's compressor and a second one of another width (its indexer's, wider here; or a disjoint one
+    of another ratio) decoded by the pair launch: every state, record and entry row bitwise what
+    :func:`compress_decode_into` writes for each alone, at every kind of position, bf16 projections."""
+    ratio, overlapping, dim = second_kind
+    first = random_compressor(4, True, torch.bfloat16, seed=60)
+    generator = torch.Generator().manual_seed(61)
+    second = Compressor(HIDDEN, dim, ratio, overlapping, Rotary(ROPE_DIM, 160000.0, None), 1e-6)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    second = second.to(torch.bfloat16)
+    positions = [1, 3, 0, 4, 7, 23, 15]
+    x = torch.randn(len(positions), HIDDEN, generator=generator).to(torch.bfloat16)
+    at = torch.tensor(positions)
+    steps = [decode_step(kernel, compressor, x, positions, seed) for compressor, seed in ((first, 1), (second, 2))]
+    alone = [cloned(kernel, step) for step in steps]
+    for step in alone:
+        kernel.compress_decode_into(
+            step.kv, step.gate, at, step.state, step.state_rows, step.weights, step.records, step.entries,
+            step.entry_rows,
+        )  # fmt: skip
+    kernel.compress_decode_pair_into(at, *steps)
+    for step, expected in zip(steps, alone, strict=True):
+        for actual, wanted in zip(written(step), written(expected), strict=True):
+            assert torch.equal(actual.isnan(), wanted.isnan()) and torch.equal(actual.nan_to_num(), wanted.nan_to_num())
+        assert not step.entries[step.entry_rows].isnan().any(), "an entry row left unwritten"
+
+
+@interpreted_only
+@pytest.mark.parametrize("stored_dtype", [torch.float32, torch.float8_e4m3fn], ids=["in_kernel", "fp8"])
+def test_a_ratio4_layers_pair_decode_equals_the_batched_torch_pools(kernel, monkeypatch, stored_dtype):
+    """``batched._advance_pair`` (a ratio-4 layer's compressor and its indexer's) in a decode forward where dispatch
+    chooses the kernels (``in_kernel``: the pair launch; ``fp8``: entries stored in FP8 rows, so each compressor on
+    its own) writes what the batched torch pools write: entry and key rows, states, records one step back,
+    snapshots. Requests at every kind of position, padded rows, NaN in the pools the positions say are empty."""
+    import dataclasses
+    import types
+
+    from sglang_dsv4.attention_backend import batched
+    from sglang_dsv4.kernels import dispatch
+
+    entry_compressor = random_compressor(4, True, torch.float32, seed=70)
+    key_compressor = Compressor(HIDDEN, 2 * DIM, 4, True, Rotary(ROPE_DIM, 10000.0, None), 1e-6)
+    generator = torch.Generator().manual_seed(71)
+    with torch.no_grad():
+        for parameter in key_compressor.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    request_rows, blocks = 9, 8
+    rows = torch.tensor([3, 8, 7, 6, 1, 5, 2, 0, 0])
+    positions = torch.tensor([1, 3, 0, 4, 7, 23, 27, 0, 0])
+    tables = types.SimpleNamespace(
+        window_table=torch.arange(request_rows * 32).view(request_rows, 32),
+        entry_table={4: 1 + torch.arange(request_rows * blocks).view(request_rows, blocks)},
+    )
+    config = types.SimpleNamespace(
+        sliding_window=8, csa_rate=4, rope_head_dim=ROPE_DIM, rope_theta=10000.0, compress_rope_theta=10000.0, yarn=None
+    )
+    index = batched.build_decode_index(rows, positions + 1, torch.tensor([2, 0, 0, 1, 3, 0, 4, 0, 0]), tables, config)
+    sides = {"torch": [], "kernel": []}
+    for compressor in (entry_compressor, key_compressor):
+        dim = compressor.dim
+        state = torch.randn(request_rows, 3, 3, dim, generator=generator)
+        for row, position in zip(rows.tolist(), positions.tolist(), strict=True):
+            if position % 4 == 0:
+                state[row, :2] = float("nan")
+            if position < 4:
+                state[row, 2] = float("nan")
+        records = {"state": state, "previous": torch.randn_like(state), "checkpoint": torch.randn(5, 3, 3, dim)}
+        stored_as = Fp8EntryRows(dim, ROPE_DIM) if stored_dtype == torch.float8_e4m3fn else PlainRows(dim, stored_dtype)
+        entries = stored_as.encode(torch.randn(1 + request_rows * blocks, dim, generator=generator))
+        for side in sides.values():
+            copies = batched._StateRecords(**{name: tensor.clone() for name, tensor in records.items()})
+            side.append((compressor, batched._Rows(entries.clone(), stored_as), copies))
+    x = torch.randn(len(rows), HIDDEN, generator=generator)
+    with torch.no_grad():
+        batched._advance_pair(*sides["torch"], x, dataclasses.replace(index, one_token_each=False))
+        poison_allocations(monkeypatch)
+        monkeypatch.setattr(dispatch, "uses_triton", lambda tensor: True)
+        pair_launches, pair_into = [], kernel.compress_decode_pair_into
+        monkeypatch.setattr(kernel, "compress_decode_pair_into", lambda *a: pair_launches.append(a) or pair_into(*a))
+        batched._advance_pair(*sides["kernel"], x, index)
+    assert len(pair_launches) == (1 if stored_dtype == torch.float32 else 0)
+
+    real = rows[rows > 0]
+    for (_, kernel_rows, kernel_records), (_, torch_rows, torch_records) in zip(sides["kernel"], sides["torch"]):
+        if stored_dtype == torch.float8_e4m3fn:
+            decoded = [r.row_format.decode(r.rows[1:], torch.float32) for r in (kernel_rows, torch_rows)]
+            assert ((decoded[0] - decoded[1]).norm(dim=1) <= 0.125 * decoded[1].norm(dim=1)).all(), "entry rows"
+        else:
+            torch.testing.assert_close(kernel_rows.rows[1:], torch_rows.rows[1:], rtol=1e-5, atol=1e-5)
+        for name, chosen in (("state", slice(1, None)), ("previous", real), ("checkpoint", slice(1, None))):
+            actual, expected = getattr(kernel_records, name)[chosen], getattr(torch_records, name)[chosen]
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=name == "previous", msg=name)

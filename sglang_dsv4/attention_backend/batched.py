@@ -36,9 +36,11 @@ import torch
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
 from ..kernels.dispatch import (
+    DecodeJob,
     DecodeWrites,
     chosen_entry_rows,
     compress_one_token_each,
+    compress_pair_one_token_each,
     encode_rows,
     fill_decode_index,
     index_top_k,
@@ -722,12 +724,15 @@ def attend(
     if attention.compressor is not None:
         entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
         reads = index.entries[attention.compressor.ratio]
-        _advance(attention.compressor, x, index, entries, _records(storage, (layer, "compressor")))
+        entry_records = _records(storage, (layer, "compressor"))
         if attention.indexer is None:
+            _advance(attention.compressor, x, index, entries, entry_records)
             compressed = KVSelection(entries.rows, reads.per_token, reads.visible, entries.row_format)
         else:
             keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
-            _advance(attention.indexer.compressor, x, index, keys, _records(storage, (layer, "indexer")))
+            key_records = _records(storage, (layer, "indexer"))
+            jobs = (attention.compressor, entries, entry_records), (attention.indexer.compressor, keys, key_records)
+            _advance_pair(*jobs, x, index)
             chosen = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
             rows, selected = chosen_entry_rows(reads.table, index.token_request, chosen)
             compressed = KVSelection(entries.rows, rows, selected, entries.row_format)
@@ -787,18 +792,43 @@ def _advance(compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: 
         _advance_pooled(compressor, x, index, out, records)
 
 
+# A compressor, where it writes its entries, its state records.
+_CompressorJob = tuple[Compressor, _Rows, _StateRecords]
+
+
+def _advance_pair(first: _CompressorJob, second: _CompressorJob, x: torch.Tensor, index: ForwardIndex) -> None:
+    """:func:`_advance` of a ratio-4 layer's two compressors (its own and its indexer's): in a decode forward both
+    in one step (:func:`~sglang_dsv4.kernels.dispatch.compress_pair_one_token_each`: on CUDA one launch)."""
+    if not index.one_token_each:
+        for compressor, out, records in (first, second):
+            _advance(compressor, x, index, out, records)
+        return
+    first_job, second_job = (_decode_job(*job, x, index) for job in (first, second))
+    targets = index.compressors[first[0].ratio]
+    compress_pair_one_token_each(first_job, second_job, index.positions, targets.blocks)
+
+
+def _decode_job(
+    compressor: Compressor, out: _Rows, records: _StateRecords, x: torch.Tensor, index: ForwardIndex
+) -> DecodeJob:
+    """A compressor's decode step over the forward: its projections, and where it writes (:class:`DecodeWrites`)."""
+    targets = index.compressors[compressor.ratio]
+    writes = DecodeWrites(
+        records.state, index.rows, records.previous, records.checkpoint, targets.snapshot_records,
+        out.rows, out.row_format, targets.entry_rows,
+    )  # fmt: skip
+    return DecodeJob(compressor, compressor.wkv(x), compressor.wgate(x), writes)
+
+
 def _advance_one_token_each(
     compressor: Compressor, x: torch.Tensor, index: ForwardIndex, out: _Rows, records: _StateRecords
 ) -> None:
     """:func:`_advance` of a decode forward (:func:`~sglang_dsv4.kernels.dispatch.compress_one_token_each`: on CUDA
     one launch, the records and the entry rows written in it), where every row is a single step and the only
     snapshot a row can take is the state after its token."""
+    job = _decode_job(compressor, out, records, x, index)
     targets = index.compressors[compressor.ratio]
-    writes = DecodeWrites(
-        records.state, index.rows, records.previous, records.checkpoint, targets.snapshot_records,
-        out.rows, out.row_format, targets.entry_rows,
-    )  # fmt: skip
-    compress_one_token_each(compressor, compressor.wkv(x), compressor.wgate(x), index.positions, writes, targets.blocks)
+    compress_one_token_each(compressor, job.kv, job.gate, index.positions, job.writes, targets.blocks)
 
 
 def _advance_pooled(

@@ -10,7 +10,9 @@ request's new tokens): every block the chunk touches is pooled in parallel, the 
 completes emit their entry (RMSNorm over the entry, rope at the block's first position),
 and the program of the last block writes the request's online state. Decode is the case
 of one token per request (one block), with the state updated in place; prefill and
-extend split the chunk's blocks over programs.
+extend split the chunk's blocks over programs. A ratio-4 layer's two compressors (its own and
+its indexer's, of other widths) decode in one launch, :func:`_compress_decode_pair`: a program
+per request and compressor, each running what the single launch runs.
 
 State rows are ``[pools, 3, dim]`` float32, the V4 pool's layout (:mod:`sglang_dsv4.memory_pool.layout`):
 pool 0 is the partial block (its ``Cb`` half when overlapping), pool 1 its ``Ca`` half and
@@ -120,6 +122,52 @@ def _store_pool(state_ptr, row, pool, value, DIM: tl.constexpr, POOLS: tl.conste
 
 @triton.jit
 def _compress_blocks(
+    kv_ptr, gate_ptr, ape_ptr, starts_ptr, chunk_rows_ptr, entry_slots_ptr, state_in_ptr, in_rows_ptr, state_out_ptr,
+    out_rows_ptr, norm_weight_ptr, inv_freq_ptr, entries_ptr, previous_ptr, checkpoint_ptr, checkpoint_rows_ptr, eps,
+    DIM: tl.constexpr, ROPE_DIM: tl.constexpr, RATIO: tl.constexpr, OVERLAPPING: tl.constexpr, BLOCK_TOK: tl.constexpr,
+    DECODE: tl.constexpr, ENTRY_ROWS: tl.constexpr, RECORDS: tl.constexpr,
+):  # fmt: skip
+    """Program (request, block of its chunk): :func:`_compress_block`."""
+    _compress_block(
+        tl.program_id(0), tl.program_id(1), kv_ptr, gate_ptr, ape_ptr, starts_ptr, chunk_rows_ptr, entry_slots_ptr,
+        state_in_ptr, in_rows_ptr, state_out_ptr, out_rows_ptr, norm_weight_ptr, inv_freq_ptr, entries_ptr,
+        previous_ptr, checkpoint_ptr, checkpoint_rows_ptr, eps,
+        DIM, ROPE_DIM, RATIO, OVERLAPPING, BLOCK_TOK, DECODE, ENTRY_ROWS, RECORDS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _compress_decode_pair(
+    positions_ptr,
+    kv_a, gate_a, ape_a, entry_rows_a, state_a, rows_a, norm_weight_a, inv_freq_a, entries_a, previous_a,
+    checkpoint_a, checkpoint_rows_a, eps_a,
+    kv_b, gate_b, ape_b, entry_rows_b, state_b, rows_b, norm_weight_b, inv_freq_b, entries_b, previous_b,
+    checkpoint_b, checkpoint_rows_b, eps_b,
+    DIM_A: tl.constexpr, ROPE_DIM_A: tl.constexpr, RATIO_A: tl.constexpr, OVERLAPPING_A: tl.constexpr,
+    DIM_B: tl.constexpr, ROPE_DIM_B: tl.constexpr, RATIO_B: tl.constexpr, OVERLAPPING_B: tl.constexpr,
+):  # fmt: skip
+    """Program (request, compressor): the decode step of compressor A (``which`` 0) or B (1) for one request, as
+    :func:`_compress_blocks` runs it alone (one token, entry rows, records kept)."""
+    request, which = tl.program_id(0), tl.program_id(1)
+    block = which * 0  # a decode request's only block
+    if which == 0:
+        _compress_block(
+            request, block, kv_a, gate_a, ape_a, positions_ptr, positions_ptr, entry_rows_a, state_a, rows_a, state_a,
+            rows_a, norm_weight_a, inv_freq_a, entries_a, previous_a, checkpoint_a, checkpoint_rows_a, eps_a,
+            DIM_A, ROPE_DIM_A, RATIO_A, OVERLAPPING_A, 1, True, True, True,
+        )  # fmt: skip
+    else:
+        _compress_block(
+            request, block, kv_b, gate_b, ape_b, positions_ptr, positions_ptr, entry_rows_b, state_b, rows_b, state_b,
+            rows_b, norm_weight_b, inv_freq_b, entries_b, previous_b, checkpoint_b, checkpoint_rows_b, eps_b,
+            DIM_B, ROPE_DIM_B, RATIO_B, OVERLAPPING_B, 1, True, True, True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _compress_block(
+    request,
+    block,
     kv_ptr,
     gate_ptr,
     ape_ptr,
@@ -146,7 +194,7 @@ def _compress_blocks(
     ENTRY_ROWS: tl.constexpr,
     RECORDS: tl.constexpr,
 ):
-    """Program (request, block of its chunk): pool the block's new tokens, emit its entry if
+    """Block ``block`` of request ``request``'s chunk: pool the block's new tokens, emit its entry if
     the chunk completes it, and, for the request's last block, write the online state.
 
     ``later`` pools the block's own series (Cb when overlapping), ``earlier`` its Ca half and
@@ -156,7 +204,6 @@ def _compress_blocks(
     ``RECORDS``: its state row is also copied whole to ``previous`` (the same row) before the update, and the
     updated one to checkpoint record ``checkpoint_rows[r]``.
     """
-    request, block = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = DIM // 2
     POOLS: tl.constexpr = 3 if OVERLAPPING else 1
     width = (2 if OVERLAPPING else 1) * DIM
@@ -353,6 +400,48 @@ def compress_decode_into(
     _launch_decode(kv, gate, positions, state, state_rows, weights, records, entries, entry_rows, entry_rows=True)
 
 
+@dataclass(frozen=True)
+class DecodeInto:
+    """One compressor's decode step as :func:`compress_decode_into` takes it: its projections ``kv``, ``gate``, its
+    state ``state[state_rows]`` advanced in place, its ``records``, its entries written to ``entries[entry_rows]``."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+    state: torch.Tensor
+    state_rows: torch.Tensor
+    weights: CompressorWeights
+    records: DecodeRecords
+    entries: torch.Tensor
+    entry_rows: torch.Tensor
+
+
+def compress_decode_pair_into(positions: torch.Tensor, first: DecodeInto, second: DecodeInto) -> None:
+    """:func:`compress_decode_into` of two compressors over the same tokens at ``positions`` (a ratio-4 layer's and
+    its indexer's) in one launch: a program per request and compressor, each what the single launch runs."""
+    if first.kv.shape[0] != second.kv.shape[0]:
+        raise ValueError(f"a pair of compressors decodes the same requests: {first.kv.shape[0]}, {second.kv.shape[0]}")
+    if first.kv.shape[0] == 0:
+        return
+    for step in (first, second):
+        _check_launch(step.kv, step.gate, step.state, step.weights)
+        _check_records(step.state, step.records)
+
+    def arguments(step: DecodeInto) -> list:
+        records = step.records
+        return [
+            step.kv.contiguous(), step.gate.contiguous(), step.weights.ape.contiguous(), step.entry_rows, step.state,
+            step.state_rows, step.weights.norm_weight.contiguous(), step.weights.inv_freq, step.entries,
+            records.previous, records.checkpoint, records.checkpoint_rows, step.weights.norm_eps,
+        ]  # fmt: skip
+
+    def shape(step: DecodeInto) -> list:
+        weights = step.weights
+        return [weights.dim, 2 * weights.inv_freq.shape[0], weights.ratio, weights.overlapping]
+
+    grid = (first.kv.shape[0], 2)
+    _compress_decode_pair[grid](positions, *arguments(first), *arguments(second), *shape(first), *shape(second))
+
+
 def _launch_decode(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -368,10 +457,8 @@ def _launch_decode(
 ) -> None:
     if kv.shape[0] == 0:
         return
-    if records is not None and not all(
-        r.dtype == state.dtype and r.shape[1:] == state.shape[1:] for r in (records.previous, records.checkpoint)
-    ):
-        raise ValueError(f"compressor records need the state's rows: {state.dtype} [*, {tuple(state.shape[1:])}]")
+    if records is not None:
+        _check_records(state, records)
     kept = records or DecodeRecords(state, state, state_rows)  # not written without records
     _launch(
         kv, gate, positions, positions, entry_slots, state, state_rows, state, state_rows, weights, entries, 1, True,
@@ -437,13 +524,7 @@ def _launch(
     entry_rows: bool,
     keep_records: bool,
 ) -> None:
-    dim, series = weights.dim, 2 if weights.overlapping else 1
-    if kv.shape[-1] != series * dim or gate.shape != kv.shape:
-        raise ValueError(f"compressor projections are {tuple(kv.shape)}, {tuple(gate.shape)}; need [*, {series * dim}]")
-    if state_out.dtype != torch.float32 or tuple(state_out.shape[1:]) != (3 if weights.overlapping else 1, 3, dim):
-        raise ValueError(
-            f"compressor state is {state_out.dtype} {tuple(state_out.shape)}; need float32 [rows, pools, 3, {dim}]"
-        )
+    _check_launch(kv, gate, state_out, weights)
     _compress_blocks[(starts.shape[0], max_blocks)](
         kv.contiguous(),
         gate.contiguous(),
@@ -462,7 +543,7 @@ def _launch(
         records.checkpoint,
         records.checkpoint_rows,
         weights.norm_eps,
-        DIM=dim,
+        DIM=weights.dim,
         ROPE_DIM=2 * weights.inv_freq.shape[0],
         RATIO=weights.ratio,
         OVERLAPPING=weights.overlapping,
@@ -471,3 +552,18 @@ def _launch(
         ENTRY_ROWS=entry_rows,
         RECORDS=keep_records,
     )
+
+
+def _check_launch(kv: torch.Tensor, gate: torch.Tensor, state: torch.Tensor, weights: CompressorWeights) -> None:
+    dim, series = weights.dim, 2 if weights.overlapping else 1
+    if kv.shape[-1] != series * dim or gate.shape != kv.shape:
+        raise ValueError(f"compressor projections are {tuple(kv.shape)}, {tuple(gate.shape)}; need [*, {series * dim}]")
+    if state.dtype != torch.float32 or tuple(state.shape[1:]) != (3 if weights.overlapping else 1, 3, dim):
+        need = f"float32 [rows, pools, 3, {dim}]"
+        raise ValueError(f"compressor state is {state.dtype} {tuple(state.shape)}; need {need}")
+
+
+def _check_records(state: torch.Tensor, records: DecodeRecords) -> None:
+    kept = (records.previous, records.checkpoint)
+    if not all(r.dtype == state.dtype and r.shape[1:] == state.shape[1:] for r in kept):
+        raise ValueError(f"compressor records need the state's rows: {state.dtype} [*, {tuple(state.shape[1:])}]")

@@ -185,6 +185,45 @@ def compress_one_token_each(
     writes.entries.index_copy_(0, writes.entry_rows, encode_rows(writes.entry_format, new_entries))
 
 
+@dataclass(frozen=True)
+class DecodeJob:
+    """One compressor's decode step: its projections ``kv``, ``gate`` ``[requests, series * dim]`` and where it
+    writes."""
+
+    compressor: Compressor
+    kv: torch.Tensor
+    gate: torch.Tensor
+    writes: DecodeWrites
+
+
+def compress_pair_one_token_each(first: DecodeJob, second: DecodeJob, positions: torch.Tensor, targets: Any) -> None:
+    """:func:`compress_one_token_each` of two compressors over the same tokens (a ratio-4 layer's and its indexer's,
+    ``targets`` the forward's blocks of their ratio): one Triton launch for both where each stores its entries as
+    it computes them, else each on its own."""
+    jobs = (first, second)
+    if uses_triton(first.kv) and all(_entries_as_computed(job) for job in jobs):
+        from .compressor import DecodeInto, DecodeRecords, compress_decode_pair_into
+
+        steps = [
+            DecodeInto(
+                job.kv, job.gate, job.writes.state, job.writes.rows, _compressor_weights(job.compressor, job.kv),
+                DecodeRecords(job.writes.previous, job.writes.checkpoint, job.writes.checkpoint_records),
+                job.writes.entries, job.writes.entry_rows,
+            )
+            for job in jobs
+        ]  # fmt: skip
+        compress_decode_pair_into(positions, *steps)
+        return
+    for job in jobs:
+        compress_one_token_each(job.compressor, job.kv, job.gate, positions, job.writes, targets)
+
+
+def _entries_as_computed(job: DecodeJob) -> bool:
+    """Whether the pool stores the job's entries as the kernel computes them (values in the projections' dtype)."""
+    entry_format = job.writes.entry_format
+    return isinstance(entry_format, PlainRows) and entry_format.dtype == job.kv.dtype
+
+
 def _compressor_weights(compressor: Compressor, x: torch.Tensor):
     from .compressor import CompressorWeights
 

@@ -120,7 +120,8 @@ def test_the_host_tier_holds_ratio_times_the_device_rows_or_the_size_asked(stora
     if rows is not None:  # --hicache-size overrides the ratio: the rows fill the size, each kind in proportion
         per_row = max(mirrored_bytes_per_row(storage).values())
         assert GB - len(rows) * per_row <= host_bytes(storage, rows) <= GB
-        assert rows["window_slots"] / device["window_slots"] == pytest.approx(GB / mirrored_device_bytes(storage), rel=1e-3)
+        scale = GB / mirrored_device_bytes(storage)
+        assert rows["window_slots"] / device["window_slots"] == pytest.approx(scale, rel=1e-3)
 
 
 def test_a_host_tier_larger_than_free_host_memory_is_refused_naming_the_flags():

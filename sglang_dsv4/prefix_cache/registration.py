@@ -23,7 +23,8 @@ def check_cache_tiers(view: Any) -> None:
     not have), and under ``--enable-hierarchical-cache`` a storage tier, a host buffer without a cache, a write
     policy other than write_back, other I/O settings than the defaults it does not use, and speculation."""
     if view.enable_lmcache:
-        raise ConfigError("--enable-lmcache: DeepSeek-V4's pool rows and checkpoints have no LMCache layout; leave it off")
+        raise ConfigError("--enable-lmcache: DeepSeek-V4's pool rows and checkpoints have no LMCache layout; leave it "
+                          "off")
     if not view.enable_hierarchical_cache:
         return
     for refused, reason in _host_tier_refusals(view):

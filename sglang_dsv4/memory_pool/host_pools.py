@@ -50,6 +50,11 @@ class HostRowKind:
             device.index_copy_(0, device_rows.to(device.device), rows)
 
     @property
+    def row_bytes(self) -> int:
+        """The bytes of one row (all its buffers')."""
+        return _row_bytes(self.host_buffers)
+
+    @property
     def allocated_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.host_buffers)
 

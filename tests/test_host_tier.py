@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from array import array
+
 import pytest
 import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from test_prefix_tree import TOKENS, Scheduler, check, run_turn
 
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.host_pools import HostPools, device_kinds, host_rows_for_bytes
@@ -57,3 +63,115 @@ def test_a_host_sized_by_bytes_fits_them_in_the_device_pools_proportions(tiny_mo
     window_share = rows["window_slots"] / storage.window_slots.capacity
     for name, (device_rows, _) in device_kinds(storage).items():
         assert rows[name] == pytest.approx(device_rows.capacity * window_share, abs=1), name
+
+
+# --- the tree over two tiers, driven as SGLang's scheduler drives it ---------------------------------------
+
+
+def session_on_host(tiny_model, host_share: float = 2.0, seed: int = 41) -> tuple[Scheduler, list[int]]:
+    """One finished turn whose whole prefix SGLang's eviction then moved to the host."""
+    scheduler = Scheduler(tiny_model.config, random.Random(seed), host_share=host_share)
+    _, history = run_turn(scheduler, [scheduler.rng.randrange(1024) for _ in range(200)], new_tokens=3)
+    scheduler.tree.evict(EvictParams(num_tokens=TOKENS))
+    check(scheduler)
+    return scheduler, history
+
+
+def match(tree, tokens: list[int]):
+    return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+
+
+def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tiny_model):
+    """The evicted turn's nodes stay in the tree, host-only, with its checkpoints; the next turn's match
+    reports all of it as a host hit, the load brings it back, and the resumed row reads every byte its
+    checkpoint was made with (run_turn checks); the host gives back the rows of what it loaded."""
+    scheduler, history = session_on_host(tiny_model)
+    tree, host = scheduler.tree, scheduler.tree.host
+    assert tree.evictable_size() == 0 and len(tree.checkpoints) == 0 and len(host.checkpoints) > 0
+    hit = match(tree, history + [1])
+    assert (hit.device_prefix_len, hit.host_hit_length) == (0, len(history))
+    written = dict(host.moves)
+    resumed, _ = run_turn(scheduler, history + [5, 6, 7], new_tokens=2)
+    assert resumed == len(history)
+    assert host.moves["checkpoints_loaded_back"] == written["checkpoints_loaded_back"] + 1
+    assert host.moves["tokens_loaded_back"] == len(history)
+    assert len(host.checkpoints) == 0 and not host.entries  # a request resumes below the dropped ones
+    assert all(kind["free"] == kind["total"] for kind in host.pools.usage().values())
+    check(scheduler)
+
+
+def test_a_load_back_that_cannot_have_its_token_slots_changes_nothing(tiny_model):
+    """All or nothing: with every token slot held by running requests (nothing left to evict), the load
+    answers None and the tree, both tiers' rows and every reference count are as they were."""
+    scheduler, history = session_on_host(tiny_model)
+    tree = scheduler.tree
+    hit = match(tree, history + [1])
+    held = scheduler.slots.alloc(scheduler.slots.available_size())
+    before, usage = tree.digest(), tree.host.pools.usage()
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) is None
+    assert tree.digest() == before and tree.host.pools.usage() == usage
+    assert set(tree.audit().values()) == {0}
+    scheduler.slots.free(held)
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) == (
+        len(history),
+        hit.best_match_node,
+    )
+
+
+def test_a_load_back_of_a_prefix_dropped_since_its_match_answers_none(tiny_model):
+    scheduler, history = session_on_host(tiny_model)
+    tree = scheduler.tree
+    hit = match(tree, history + [1])
+    tree.reset()
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) is None
+
+
+def test_a_request_computing_host_tokens_again_loads_them_back_and_the_host_checkpoint_below_still_resumes(
+    tiny_model,
+):
+    """A request whose match stops above host-only tokens (no checkpoint on its part of them) computes them
+    again; its insert loads the host's copies back, so the tree keeps the entries the checkpoint below was
+    made with: a later turn resuming there from the host reads exactly those (run_turn checks)."""
+    scheduler, history = session_on_host(tiny_model)
+    tree, rng = scheduler.tree, scheduler.rng
+    resumed, _ = run_turn(scheduler, history[:50] + [rng.randrange(1024) for _ in range(20)], new_tokens=1)
+    assert resumed == 0
+    hit = match(tree, history + [1])
+    assert (hit.device_prefix_len, hit.host_hit_length) == (50, len(history) - 50)
+    resumed, _ = run_turn(scheduler, history + [1, 2], new_tokens=1)
+    assert resumed == len(history)
+
+
+def test_a_full_host_drops_its_least_recently_used_sessions_first(tiny_model):
+    """A host with 0.6 of the device's rows holds two of these sessions' windows: of six evicted one after the
+    other, the latest stays and the one looked up before every turn; the others were dropped, least recently
+    used first."""
+    scheduler = Scheduler(tiny_model.config, random.Random(43), host_share=0.6)
+    tree, histories = scheduler.tree, []
+    for _ in range(6):
+        if histories:
+            match(tree, histories[0] + [1])  # the first session is looked up every turn
+        _, history = run_turn(scheduler, [scheduler.rng.randrange(1024) for _ in range(200)], new_tokens=3)
+        histories.append(history)
+        tree.evict(EvictParams(num_tokens=TOKENS))
+        check(scheduler)
+    on_host = [match(tree, h + [1]).host_hit_length == len(h) for h in histories]
+    assert on_host == [True, False, False, False, False, True]
+    assert tree.host.moves["checkpoints_dropped"] > 0
+
+
+def test_audit_counts_a_host_row_nothing_holds(tiny_model):
+    scheduler, _ = session_on_host(tiny_model)
+    tree = scheduler.tree
+    tree.host.pools.window.rows.try_alloc(1)
+    audit = tree.audit()
+    assert audit == {**dict.fromkeys(audit, 0), "host_window_slots": 1}
+
+
+def test_the_scheduler_finds_nothing_in_flight_between_the_tiers(tiny_model):
+    """What SGLang's scheduler asks of a hierarchical cache: the copies are synchronous, so nothing is pending,
+    no controller runs them, no storage tier lies below, and the loaded slots are the tree's."""
+    tree = session_on_host(tiny_model)[0].tree
+    assert tree.ready_to_load_host_cache() == -1 and tree.check_hicache_events() is None
+    assert len(tree.ongoing_write_through) == 0 and len(tree.ongoing_load_back) == 0
+    assert tree.cache_controller is None and not tree.enable_storage and tree.load_back_is_cache_owned()

@@ -431,19 +431,26 @@ def prefix_cache_objects_held_by(root: object) -> list[str]:
 
 
 def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[int, list[int]]:
-    """One agentic turn as SGLang runs it: match, prefill, a checkpoint at the prompt's end, decode,
-    a checkpoint at the request's end, release. The tokens it matched, and its whole sequence."""
+    """One agentic turn as SGLang runs it: match (a host hit loaded back), prefill, a checkpoint at the
+    prompt's end, decode, a checkpoint at the request's end, release. The tokens it resumed at (checked
+    bit for bit against what its checkpoint was made with), and its whole sequence."""
     tree, rows, slots = scheduler.tree, scheduler.rows, scheduler.slots
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:-1]))))
     scheduler.count += 1
     req = Request(scheduler.count, array("q", tokens + [0]), array("q", tokens), match.device_prefix_len)
     req.last_node, req.lock = match.last_device_node, tree.lock(match.last_device_node)
+    if match.host_hit_length:
+        assert scheduler._load_back(req, match), "the host hit could not be loaded back"
     row = rows.alloc_rows(1)[0]
     req.kv.req_pool_idx = row
     rows.req_to_token[row, : req.prefix_len] = tree.prefix_device_indices(req).to(torch.int32)
     rows.req_to_token[row, req.prefix_len : len(tokens)] = slots.alloc(len(tokens) - req.prefix_len).to(torch.int32)
     req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, len(tokens)
+    scheduler.resume_states.requests[req.rid] = req
     tree.maybe_hand_to_session(req)
+    if req.prefix_len:
+        scheduler.resume_states.check(req)
+    fake_forward(scheduler.pool, row, req.prefix_len, len(tokens), scheduler.bytes)
     tree.checkpoint(req, up_to=len(tokens))
     for _ in range(new_tokens):
         length = req.kv.kv_allocated_len
@@ -451,6 +458,7 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
         rows.alloc_aux_to_lengths(
             req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
         )
+        fake_forward(scheduler.pool, row, length, length + 1, scheduler.bytes)
         req.kv.kv_allocated_len = length + 1
         req.full_untruncated_fill_ids.append(scheduler.rng.randrange(4))
     req.done = True
@@ -459,7 +467,7 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
     slots.free(rows.req_to_token[row][req.kv.cache_protected_len : owned].to(torch.int64))
     tree.unlock(req.lock)
     rows.free_rows([row])
-    return match.device_prefix_len, list(req.full_untruncated_fill_ids[:owned])
+    return req.prefix_len, list(req.full_untruncated_fill_ids[:owned])
 
 
 SESSIONS = 8

@@ -90,11 +90,15 @@ def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tin
     assert tree.evictable_size() == 0 and len(tree.checkpoints) == 0 and len(host.checkpoints) > 0
     hit = match(tree, history + [1])
     assert (hit.device_prefix_len, hit.host_hit_length) == (0, len(history))
-    written = dict(host.moves)
+    window = len(host.checkpoints[hit.best_match_node].window)
     resumed, _ = run_turn(scheduler, history + [5, 6, 7], new_tokens=2)
     assert resumed == len(history)
-    assert host.moves["checkpoints_loaded_back"] == written["checkpoints_loaded_back"] + 1
-    assert host.moves["tokens_loaded_back"] == len(history)
+    report = tree.checkpoint_report()["host_tier"]
+    assert report["checkpoints_loaded_back"] == 1 and report["tokens_loaded_back"] == len(history)
+    # What came back, in the pool's own row sizes: the checkpoint's window and record, every block's entries.
+    layout = scheduler.pool.storage.layout
+    entries = sum(len(history) // b.ratio * layout.row_bytes(b) for b in layout.compressed_buffers())
+    assert report["bytes_to_device"] == window * layout.window_slot_bytes + layout.record_bytes + entries
     assert len(host.checkpoints) == 0 and not host.entries  # a request resumes below the dropped ones
     assert all(kind["free"] == kind["total"] for kind in host.pools.usage().values())
     check(scheduler)

@@ -36,12 +36,13 @@ class HostTier:
     for the device pool ``storage``'s cached prefixes, and which host-only tree node holds which."""
 
     def __init__(self, storage: V4PoolStorage, rows: dict[str, int]):
-        self.storage = storage
         self.pools = HostPools(storage, rows)
         # Per host-only node, per ratio: the host entry row of each of its tokens that ends a block (0: none).
         self.entries: dict[TreeNode, dict[int, torch.Tensor]] = {}
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.pinned: set[TreeNode] = set()  # host-only nodes being loaded back: never dropped meanwhile
+        # What moved between the tiers (checkpoints_dropped: host checkpoints gone other than loaded back;
+        # write_backs_skipped: evicted nodes the host could not take, dropped as without a host tier).
         self.moves: Counter[str] = Counter(
             {
                 "nodes_written_back": 0,

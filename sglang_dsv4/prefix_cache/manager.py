@@ -16,8 +16,10 @@ forward reads, checkpoints of what no resume reads (all_committed's windows fall
 per_request keeps), the tree's checkpoints worth least go (:mod:`.retention`), then snapshots not taken yet
 (for window slots); the tree's least recently used tokens (for entry rows). SGLang's admission
 and decode checks ask :meth:`CacheManager.room_for_windows` for the same count, made the same
-way. Nothing below calls up: the allocators (:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`)
-take only what is free and report a shortage, the tables and the planner hold no callables.
+way. A cached prefix the tree loads back from its host tier (:mod:`.host_tier`) gets its rows the same
+way, all or none (:meth:`CacheManager.rows_for_load_back`). Nothing below calls up: the allocators
+(:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`) take only what is free and report a shortage, the
+tables and the planner hold no callables.
 """
 
 from __future__ import annotations

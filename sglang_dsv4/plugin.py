@@ -283,6 +283,10 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         **pool.storage.usage(),
         "allocated_bytes": pool.storage.allocated_bytes,
     }
+    host = getattr(scheduler.tree_cache, "host", None)
+    if host is not None:
+        host_rows = {**host.pools.usage(), "allocated_bytes": host.pools.allocated_bytes}
+        result.internal_state["dsv4_pools"]["host_tier"] = host_rows
     resident = _over_request_group(_resident_bytes(scheduler.tp_worker.model_runner.model))
     result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}
     if hasattr(scheduler.tree_cache, "modes"):

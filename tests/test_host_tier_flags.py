@@ -12,15 +12,8 @@ import torch
 from launch_checks import config_only_checkpoint, refusal_at_resolution, resolved_at_resolution
 
 from sglang_dsv4.config import ConfigError
-from sglang_dsv4.prefix_cache.host_tier_size import (
-    GB,
-    check_fits_host_memory,
-    device_rows,
-    host_bytes,
-    host_rows,
-    mirrored_bytes_per_row,
-    mirrored_device_bytes,
-)
+from sglang_dsv4.memory_pool.host_pools import device_kinds, host_rows_for_bytes
+from sglang_dsv4.prefix_cache.host_tier_size import GB, check_fits_host_memory, host_tier_bytes, mirrored_device_bytes
 
 TIER = ("--enable-hierarchical-cache", "--hicache-write-policy", "write_back")
 
@@ -113,15 +106,12 @@ def test_sglangs_auto_sizing_reads_the_bytes_of_the_rows_the_host_tier_mirrors(s
 
 
 def test_the_host_tier_holds_ratio_times_the_device_rows_or_the_size_asked(storage):
-    device = device_rows(storage)
-    assert host_rows(storage, ratio=2.0, size_gb=0) == {kind: 2 * rows for kind, rows in device.items()}
-    asked = 3 * mirrored_device_bytes(storage)
-    rows = host_rows(storage, ratio=2.0, size_gb=1) if asked < GB else None
-    if rows is not None:  # --hicache-size overrides the ratio: the rows fill the size, each kind in proportion
-        per_row = max(mirrored_bytes_per_row(storage).values())
-        assert GB - len(rows) * per_row <= host_bytes(storage, rows) <= GB
-        scale = GB / mirrored_device_bytes(storage)
-        assert rows["window_slots"] / device["window_slots"] == pytest.approx(scale, rel=1e-3)
+    # Twice the device's bytes of each kind, less one padding row of each and what a row count rounds off.
+    row_bytes = {name: sum(b[0].nbytes for b in buffers) for name, (_, buffers) in device_kinds(storage).items()}
+    doubled = host_rows_for_bytes(storage, host_tier_bytes(storage, ratio=2.0, size_gb=0))
+    held = sum(rows * row_bytes[name] for name, rows in doubled.items())
+    assert 2 * mirrored_device_bytes(storage) - 2 * sum(row_bytes.values()) <= held <= 2 * mirrored_device_bytes(storage)
+    assert host_tier_bytes(storage, ratio=2.0, size_gb=3) == 3 * GB  # --hicache-size overrides the ratio
 
 
 def test_a_host_tier_larger_than_free_host_memory_is_refused_naming_the_flags():

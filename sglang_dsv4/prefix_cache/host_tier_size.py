@@ -1,11 +1,11 @@
-"""How many rows of each kind the host tier holds, from SGLang's HiCache flags.
+"""How big the host tier is, from SGLang's HiCache flags.
 
-The host tier mirrors the device rows a cached prefix keeps: window slots (checkpoint windows), checkpoint
-records and compressed entry rows (each with its indexer keys). ``--hicache-ratio`` is host rows per device row of
-each kind; ``--hicache-size`` (GB, 10^9 bytes as SGLang's host pools count) sets the ratio that makes the host
-rows that many bytes. With neither flag SGLang's auto-sizing picks the ratio that fits this host's memory, from
-:func:`mirrored_device_bytes` (the hook :func:`estimate_hicache_bytes`, which SGLang's own estimate cannot give
-for the V4 pool).
+The host tier mirrors the kinds of device row a cached prefix keeps (window slots, checkpoint records, entry rows
+with their indexer keys: :func:`~sglang_dsv4.memory_pool.host_pools.device_kinds`), in the device pool's
+proportions. ``--hicache-size`` (GB, 10^9 bytes as SGLang's host pools count) is its size; otherwise
+``--hicache-ratio`` times the device bytes of those kinds. With neither flag SGLang's auto-sizing lowers its
+default ratio (2.0) until the tier fits this host's memory, from :func:`mirrored_device_bytes` (through the hook
+:func:`estimate_hicache_bytes`: SGLang's own estimate has no case for the V4 pool).
 """
 
 from __future__ import annotations
@@ -13,42 +13,20 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ConfigError
+from ..memory_pool.host_pools import device_kinds
 from ..memory_pool.storage import V4PoolStorage
 
 GB = 10**9
 
 
-def mirrored_bytes_per_row(storage: V4PoolStorage) -> dict[str, int]:
-    """Bytes of one row of each kind the host tier mirrors, by the audit's names for the kinds."""
-    layout = storage.layout
-    per_row = {"window_slots": layout.window_slot_bytes, "checkpoint_records": layout.record_bytes}
-    for ratio in storage.entry_rows:
-        buffers = [b for b in layout.compressed_buffers() if b.ratio == ratio]
-        per_row[f"ratio_{ratio}_entries"] = sum(layout.row_bytes(b) for b in buffers)
-    return per_row
-
-
-def device_rows(storage: V4PoolStorage) -> dict[str, int]:
-    """Rows of each mirrored kind the device pool holds."""
-    rows = {"window_slots": storage.window_slots.capacity, "checkpoint_records": storage.records.capacity}
-    rows.update({f"ratio_{r}_entries": shared.capacity for r, shared in storage.entry_rows.items()})
-    return rows
-
-
 def mirrored_device_bytes(storage: V4PoolStorage) -> int:
-    per_row = mirrored_bytes_per_row(storage)
-    return sum(rows * per_row[kind] for kind, rows in device_rows(storage).items())
+    """The device bytes of the rows the host tier mirrors."""
+    return sum(rows.capacity * sum(b[0].nbytes for b in buffers) for rows, buffers in device_kinds(storage).values())
 
 
-def host_rows(storage: V4PoolStorage, *, ratio: float, size_gb: int) -> dict[str, int]:
-    """Host rows of each kind: ``ratio`` times the device's, or as many as ``size_gb`` holds when it is set."""
-    scale = size_gb * GB / mirrored_device_bytes(storage) if size_gb > 0 else ratio
-    return {kind: int(rows * scale) for kind, rows in device_rows(storage).items()}
-
-
-def host_bytes(storage: V4PoolStorage, rows: dict[str, int]) -> int:
-    per_row = mirrored_bytes_per_row(storage)
-    return sum(count * per_row[kind] for kind, count in rows.items())
+def host_tier_bytes(storage: V4PoolStorage, *, ratio: float, size_gb: int) -> int:
+    """``size_gb`` when set, else ``ratio`` times the mirrored device bytes."""
+    return size_gb * GB if size_gb > 0 else int(ratio * mirrored_device_bytes(storage))
 
 
 def check_fits_host_memory(requested_bytes: int, available_bytes: int) -> None:

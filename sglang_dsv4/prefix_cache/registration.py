@@ -7,8 +7,12 @@ from typing import Any
 
 from ..config import ConfigError
 from ..kv_cache import V4KVPool
+from ..memory_pool.host_pools import host_rows_for_bytes
+from ..memory_pool.storage import V4PoolStorage
 from ..settings import settings
 from . import MODE_CODES
+from .host_tier import HostTier
+from .host_tier_size import check_fits_host_memory, host_tier_bytes
 from .tree import V4RadixCache
 
 # The one write policy the V4 host tier has: a cached prefix moves to host memory when the device evicts it.
@@ -84,7 +88,19 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
         prefix_hits=chosen.prefix_hits,
         window_policy=chosen.window_policy,
         checkpoint_interval=chosen.checkpoint_interval,
+        host_tier=build_host_tier(ctx.server_args, pool.storage) if ctx.enable_hierarchical_cache else None,
     )
+
+
+def build_host_tier(server_args: Any, storage: V4PoolStorage) -> HostTier:
+    """The host tier ``--enable-hierarchical-cache`` asks for: ``--hicache-size`` GB, or the ratio (SGLang's
+    auto-sizing, when it ran, has lowered it to fit this host), refused when the host's free memory is less."""
+    import psutil
+    from sglang.srt.runtime_context import get_memory
+
+    size = host_tier_bytes(storage, ratio=get_memory().hicache_ratio, size_gb=server_args.hicache_size)
+    check_fits_host_memory(size, psutil.virtual_memory().available)
+    return HostTier(storage, host_rows_for_bytes(storage, size))
 
 
 def runtime_mode_updates(tree_cache: Any) -> dict[str, Any]:

@@ -24,6 +24,8 @@ INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
 RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
+# SGLang's HiCache auto-sizing: the device bytes the host tier mirrors (prefix_cache/host_tier_size.py).
+HICACHE_AUTO_SIZING = "sglang.srt.mem_cache.hicache_auto_size._estimate_hicache_bytes"
 CONFIG_LOADING = "sglang.srt.utils.hf_transformers.config.get_config"
 CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
 THREAD_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
@@ -44,6 +46,7 @@ REQUIRED_HOOKS = (
     INTERNAL_STATE,
     *SERVING_HOOKS,
     RADIX_CACHE_FACTORY,
+    HICACHE_AUTO_SIZING,
     STATE_UPDATES,
     *ADMISSION_HOOKS,
     FP8_METHOD_CHOICE,

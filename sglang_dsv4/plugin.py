@@ -133,11 +133,13 @@ def _register_prefix_cache() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     from .prefix_cache.admission import register_admission_hooks
+    from .prefix_cache.host_tier_size import estimate_hicache_bytes
     from .prefix_cache.registration import build_v4_radix_cache
 
     if "dsv4" not in registered_radix_cache_backends():  # a second register() in one process (tests) keeps it
         register_radix_cache_backend("dsv4", build_v4_radix_cache)
     HookRegistry.register(hooks.RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
+    HookRegistry.register(hooks.HICACHE_AUTO_SIZING, estimate_hicache_bytes, HookType.AROUND)
     HookRegistry.register(hooks.STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
     register_admission_hooks()
 
@@ -281,6 +283,10 @@ def _report_pool_usage(result, controller, recv_req) -> None:
         **pool.storage.usage(),
         "allocated_bytes": pool.storage.allocated_bytes,
     }
+    host = getattr(scheduler.tree_cache, "host", None)
+    if host is not None:
+        host_rows = {**host.pools.usage(), "allocated_bytes": host.pools.allocated_bytes}
+        result.internal_state["dsv4_pools"]["host_tier"] = host_rows
     resident = _over_request_group(_resident_bytes(scheduler.tp_worker.model_runner.model))
     result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}
     if hasattr(scheduler.tree_cache, "modes"):

@@ -44,6 +44,15 @@ def refusal_at_resolution(model_path: Path, *args: str) -> str:
     return f"{refusal.typename}: {refusal.value}"
 
 
+def resolved_at_resolution(model_path: Path, *args: str):
+    """SGLang's server arguments as the launcher's resolution leaves them (the plugin's settings applied)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(server_command(model_path, free_port(), *args)[3:])
+    server_args.resolve_once()
+    return server_args
+
+
 def config_only_checkpoint(directory: Path, **changes) -> Path:
     """A checkpoint directory with only config.json: the launcher must refuse it before loading anything."""
     directory.mkdir()

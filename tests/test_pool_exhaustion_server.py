@@ -2,7 +2,8 @@
 
 Each server is small in one way: one request row (its window slots and checkpoint records run
 short under long chunked prefills), eight rows in aligned mode (many snapshots per chunk), or
-few token slots (SGLang queues and retracts), and the last with speculation (EAGLE with the tiny
+few token slots (SGLang queues and retracts), the same with a host tier below the device pool (issue 28: what it
+evicts goes to host rows and comes back on hits), and the last with speculation (EAGLE with the tiny
 checkpoint's random MTP layer, so nearly every draft is rolled back: verifies reserve their drafts' rows,
 retractions come mid-speculation). Rounds of concurrent requests — long prompts,
 forks of earlier ones, ``n > 1``, clients that disconnect mid-stream — run under modes switched
@@ -99,6 +100,17 @@ SERVERS = {
         "few_tokens",
         ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600",
          "--schedule-conservativeness", "0.1"),
+        {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
+        900,
+        longest_output=120,
+    ),
+    # The same token pool with a host tier below it (issue 28): what the device evicts goes to host rows and comes
+    # back on a hit, under the same queueing and retraction.
+    "few_tokens_host_tier": Scarce(
+        "few_tokens_host_tier",
+        ("--max-running-requests", "4", "--chunked-prefill-size", "512", "--max-total-tokens", "2600",
+         "--schedule-conservativeness", "0.1", "--enable-hierarchical-cache", "--hicache-write-policy", "write_back",
+         "--hicache-ratio", "2"),
         {"SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL": "64"},
         900,
         longest_output=120,
@@ -277,6 +289,9 @@ def test_random_load_at_tiny_pool_sizes_keeps_serving_exact_outputs_and_returns_
         set_modes(url, prefix_hits="exact", window_policy="per_request")
     state = prefix_cache_state(url)
     print(f"{scarce.name}: skipped {state['checkpoints_skipped']}, held back {state['requests_held_back']}")
+    if "host_tier" in state:  # the tier took part: evicted prefixes went to host and some came back
+        print(f"{scarce.name}: host tier {state['host_tier']}")
+        assert state["host_tier"]["nodes_written_back"] > 0, state["host_tier"]
     assert_equal_to_cold_runs(jobs, outputs, cold)
     assert_pools_idle(url)
 

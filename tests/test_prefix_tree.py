@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_pool import make_scarce
 
 from sglang_dsv4.kv_cache import V4KVPool
+from sglang_dsv4.memory_pool.host_pools import device_kinds
+from sglang_dsv4.memory_pool.storage import V4PoolStorage
+from sglang_dsv4.prefix_cache.host_tier import HostTier
 from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
 from sglang_dsv4.prefix_cache.tree import V4RadixCache
 from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
@@ -64,23 +67,48 @@ class Request:
 class Scheduler:
     """Admission, decode steps, finish and abort, in SGLang's order of tree calls."""
 
-    def __init__(self, config, rng: random.Random, scarce: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        config,
+        rng: random.Random,
+        scarce: tuple[str, int] | None = None,
+        host_share: float | None = None,
+        tokens: int = TOKENS,
+    ):
+        """``host_share``: a host tier with that share of the device's rows of each kind (None: none);
+        ``tokens``: token slots."""
         self.rng = rng
-        self.pool = V4KVPool(TOKENS, 1, config, torch.float32, max_requests=ROWS, max_context=CONTEXT, device="cpu")
+        self.tokens = tokens
+        self.pool = V4KVPool(tokens, 1, config, torch.float32, max_requests=ROWS, max_context=CONTEXT, device="cpu")
         if scarce is not None:
             make_scarce(self.pool, *scarce)
+        host = None
+        if host_share is not None:
+            kinds = device_kinds(self.pool.storage).items()
+            host = HostTier(self.pool.storage, {name: int(rows.capacity * host_share) for name, (rows, _) in kinds})
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", enable_memory_saver=False)
         self.rows.attach_aux_cache(self.pool.manager)
-        self.slots = TokenToKVPoolAllocator(TOKENS, torch.float32, "cpu", self.pool, need_sort=False)
+        self.slots = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", self.pool, need_sort=False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.slots, page_size=1
         )
         self.tree = V4RadixCache(
-            params, self.pool.manager, prefix_hits="exact", window_policy="per_request", checkpoint_interval=96
+            params,
+            self.pool.manager,
+            prefix_hits="exact",
+            window_policy="per_request",
+            checkpoint_interval=96,
+            host_tier=host,
         )
         self.running: list[Request] = []
         self.sequences: list[list[int]] = [[]]
         self.count = 0
+        self.resumes = {"device": 0, "host": 0}
+        # What each cached checkpoint's resume reads, taken when it was made (rows hold random bytes that
+        # forwards "wrote"), checked at every resume from either tier.
+        self.resume_states = ResumeStates(self)
+        self.tree.reports = self.resume_states
+        self.bytes = torch.Generator().manual_seed(0)
 
     def admit(self) -> None:
         if not self.rows.available_size():
@@ -100,6 +128,9 @@ class Scheduler:
         ):
             return
         req.lock = self.tree.lock(req.last_node)
+        if match.host_hit_length and not self._load_back(req, match):
+            self.tree.unlock(req.lock)
+            return
         if not self._make_room(len(tokens) - req.prefix_len):
             self.tree.unlock(req.lock)
             return
@@ -111,9 +142,28 @@ class Scheduler:
         )
         req.kv.cache_protected_len = req.prefix_len
         req.kv.kv_allocated_len = len(tokens)
+        self.resume_states.requests[req.rid] = req
         self.tree.maybe_hand_to_session(req)
+        if req.prefix_len:
+            self.resume_states.check(req)
+            self.resumes["host" if match.host_hit_length else "device"] += 1
+        fake_forward(self.pool, row, req.prefix_len, len(tokens), self.bytes)
         self.tree.checkpoint(req, up_to=len(tokens))  # the prompt's end
         self.running.append(req)
+
+    def _load_back(self, req: Request, match) -> bool:
+        """SGLang's admission of a host hit: the tree loads it back, all or nothing, and the request locks
+        the checkpoint's node instead (the lock on its device part is let go)."""
+        params = InitLoadBackParams(match.best_match_node, match.host_hit_length, req=req)
+        loaded = self.tree.init_load_back(params)
+        if loaded is None:
+            return False
+        tokens, node = loaded
+        assert tokens == match.host_hit_length
+        self.tree.unlock(req.lock)
+        req.prefix_len += tokens
+        req.last_node, req.lock = node, self.tree.lock(node)
+        return True
 
     def decode(self) -> None:
         if not self.running:
@@ -129,6 +179,7 @@ class Scheduler:
         self.rows.alloc_aux_to_lengths(
             req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
         )
+        fake_forward(self.pool, row, length, length + 1, self.bytes)
         req.kv.kv_allocated_len = length + 1
         req.full_untruncated_fill_ids.append(self.rng.randrange(4))
 
@@ -147,18 +198,114 @@ class Scheduler:
         self.tree.unlock(req.lock)
         self.rows.free_rows([req.kv.req_pool_idx])
 
+    def flush(self) -> None:
+        """SGLang's flush_cache, which waits for the running requests: every row back, on both tiers."""
+        while self.running:
+            self.finish(checkpoint=self.rng.random() < 0.5)
+        assert self.slots.available_size() + self.tree.evictable_size() == self.tokens
+        self.tree.reset()
+        self.slots.clear()
+        usage = self.pool.storage.usage()
+        if self.tree.host is not None:
+            usage.update({f"host_{name}": rows for name, rows in self.tree.host.pools.usage().items()})
+        assert all(kind["free"] == kind["total"] for kind in usage.values()), usage
+
     def _make_room(self, count: int) -> bool:
         if self.slots.available_size() < count:
             self.tree.evict(EvictParams(num_tokens=count - self.slots.available_size()))
         return self.slots.available_size() >= count
 
 
+def fake_forward(pool: V4KVPool, row: int, start: int, end: int, generator: torch.Generator) -> None:
+    """What a forward of the row's tokens ``start .. end - 1`` writes, as random bytes: the window rows and
+    entry rows it took, its state records (the records of the snapshots planned in it too)."""
+    storage = pool.storage
+    tables = storage.tables
+    slots = tables.window_table[row, start:end]
+    _randomize(storage.window, slots[slots > 0], generator)
+    for key, buffer in storage.compressed.items():
+        ratio = storage.ratio[key]
+        _randomize([buffer], tables.entry_table[ratio][row, start // ratio : end // ratio], generator)
+    _randomize([*storage.state.values(), *storage.previous_state.values()], torch.tensor([row]), generator)
+    for checkpoint in pool.checkpoints.between(row, start, end):
+        _randomize(list(storage.checkpoint_state.values()), torch.tensor([checkpoint.record]), generator)
+
+
+def _randomize(buffers: list[torch.Tensor], rows: torch.Tensor, generator: torch.Generator) -> None:
+    for buffer in buffers:
+        raw = buffer[rows].view(torch.uint8)
+        buffer[rows] = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator).view(buffer.dtype)
+
+
+def resume_state(storage: V4PoolStorage, row: int, position: int) -> list[torch.Tensor]:
+    """What a request row resumed at ``position`` reads, as bytes: its state records, its window rows before
+    ``position``, the entry rows of its complete blocks there (its first forward reserved, not run)."""
+    tables = storage.tables
+    window = tables.window_table[row, tables.held_from[row] : position]
+    state = [records[row].view(torch.uint8) for records in storage.state.values()]
+    state += [buffer[window].view(torch.uint8) for buffer in storage.window]
+    for key, buffer in storage.compressed.items():
+        ratio = storage.ratio[key]
+        state.append(buffer[tables.entry_table[ratio][row, : position // ratio]].view(torch.uint8))
+    return [t.clone() for t in state]
+
+
+def checkpoint_resume_state(tree: V4RadixCache, node) -> list[torch.Tensor]:
+    """:func:`resume_state` of a row resumed from the device checkpoint at ``node``, read off the checkpoint."""
+    storage, checkpoint = tree.manager.storage, tree.checkpoints[node]
+    window = checkpoint.window[-storage.config.sliding_window :]
+    state = [records[checkpoint.record].view(torch.uint8) for records in storage.checkpoint_state.values()]
+    state += [buffer[window].view(torch.uint8) for buffer in storage.window]
+    entries = tree.manager.entry_ownership.of_prefix(tree.path_device_indices(node), checkpoint.position)
+    for key, buffer in storage.compressed.items():
+        state.append(buffer[entries[storage.ratio[key]]].view(torch.uint8))
+    return [t.clone() for t in state]
+
+
+class ResumeStates:
+    """The tree's reports, heard by the test: what a row resumed from each cached checkpoint reads, taken
+    when the checkpoint is made (on the device) and forgotten when it is dropped (a checkpoint moved to the
+    host and back is neither); every resume, from either tier, must read exactly that."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.requests: dict[int, Request] = {}  # those the scheduler admitted, by rid
+        self.states: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def made(self, rid, positions, tokens_past_prompt) -> None:
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        prefixes = checkpoint_prefixes(self.scheduler.tree)
+        for position in positions:
+            prefix = tuple(req.full_untruncated_fill_ids[:position])
+            self.states[prefix] = checkpoint_resume_state(self.scheduler.tree, prefixes[prefix])
+
+    def dropped(self, rid, position) -> None:
+        req = self.requests.get(rid)
+        if req is not None:  # (a checkpoint its own call made and dropped again was never reported made)
+            self.states.pop(tuple(req.full_untruncated_fill_ids[:position]), None)
+
+    def released(self, rid) -> None:
+        pass
+
+    def flushed(self) -> None:
+        self.states.clear()
+
+    def check(self, req: Request) -> None:
+        expected = self.states[tuple(req.full_untruncated_fill_ids[: req.prefix_len])]
+        actual = resume_state(self.scheduler.pool.storage, req.kv.req_pool_idx, req.prefix_len)
+        assert len(actual) == len(expected)
+        for index, (read, stored) in enumerate(zip(actual, expected, strict=True)):
+            assert torch.equal(read, stored), f"request {req.rid} resumed at {req.prefix_len}: part {index} differs"
+
+
 def checkpoint_prefixes(tree: V4RadixCache) -> dict[tuple[int, ...], object]:
-    """Every checkpoint's token prefix, read off the tree's nodes."""
+    """Every checkpoint's token prefix (on either tier), read off the tree's nodes."""
     prefixes, stack = {}, [(tree.root_node, ())]
     while stack:
         node, prefix = stack.pop()
-        if node in tree.checkpoints:
+        if tree._checkpoint_at(node) is not None:
             prefixes[prefix] = node
         for child in node.children.values():
             stack.append((child, prefix + tuple(child.key.token_ids[: len(child.key)])))
@@ -169,27 +316,66 @@ def check(scheduler: Scheduler) -> None:
     tree, slots = scheduler.tree, scheduler.slots
     assert set(tree.audit().values()) == {0}
     prefixes = checkpoint_prefixes(tree)
-    assert len(prefixes) == len(tree.checkpoints)  # no checkpoint on a detached node
+    on_host = len(tree.host.checkpoints) if tree.host else 0
+    assert len(prefixes) == len(tree.checkpoints) + on_host  # no checkpoint on a detached node
     for prefix, node in prefixes.items():
-        assert tree.checkpoints[node].position == len(prefix)
+        assert tree._checkpoint_at(node).position == len(prefix)
     owned = sum(r.kv.kv_allocated_len - r.kv.cache_protected_len for r in scheduler.running)
-    assert slots.available_size() + tree.evictable_size() + tree.protected_size() + owned == TOKENS
+    assert slots.available_size() + tree.evictable_size() + tree.protected_size() + owned == scheduler.tokens
     query = scheduler.rng.choice(scheduler.sequences)[: scheduler.rng.randrange(1, CONTEXT)]
     aligned = tree.modes()["prefix_hits"] == "aligned"
     usable = [len(p) for p in prefixes if len(p) <= len(query) and (not aligned or len(p) % ALIGNED_PAGE == 0)]
     expected = max([n for n in usable if tuple(query[:n]) in prefixes] + [0])
-    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query)))).device_prefix_len == expected
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query))))
+    assert match.device_prefix_len + match.host_hit_length == expected
+    check_tiers(tree)
+
+
+def check_tiers(tree: V4RadixCache) -> None:
+    """Host-only nodes lie below every device node of their paths, hold no token slots and their host
+    checkpoints; device nodes hold their device checkpoints."""
+    host = tree.host
+    for node in tree.checkpoints:
+        assert not node.evicted
+    if host is None:
+        return
+    assert set(host.checkpoints) <= set(host.entries)
+    stack = [tree.root_node]
+    while stack:
+        node = stack.pop()
+        assert node.evicted == (node in host.entries)
+        for child in node.children.values():
+            assert child.evicted or not node.evicted, "a device node below a host-only one"
+            stack.append(child)
 
 
 # Scarce kinds: three checkpoint records; window slots for about three running requests.
 SCARCE = {"records": ("records", 3), "window_slots": ("window_slots", 3 * 129 + 200)}
 
 
-@pytest.mark.parametrize(("seed", "scarce"), [(0, None), (1, "records"), (2, "window_slots")])
-def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed, scarce):
+# A host tier: twice the device's rows of each kind, or a third of them (its LRU drops what it cannot hold).
+HOST_SHARES = {None: None, "host": 2.0, "small_host": 0.3}
+
+
+@pytest.mark.parametrize(
+    ("seed", "scarce", "host"),
+    [
+        (0, None, None),
+        (1, "records", None),
+        (2, "window_slots", None),
+        (3, None, "host"),
+        (4, "records", "host"),
+        (2, "window_slots", "host"),  # (scarce window slots leave few checkpoints to resume from: seed 5 none)
+        (6, None, "small_host"),
+    ],
+)
+def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed, scarce, host):
+    """With a host tier, also: every resume (from either tier) reads the bytes its checkpoint was made with,
+    the host's rows audit exact, and flushes give every row back on both tiers."""
     rng = random.Random(seed)
-    scheduler = Scheduler(tiny_model.config, rng, SCARCE.get(scarce))
-    operations = [
+    scheduler = Scheduler(tiny_model.config, rng, SCARCE.get(scarce), HOST_SHARES[host])
+    flushes = [(scheduler.flush, 0.1)] if host else []
+    operations = flushes + [
         (scheduler.admit, 6),
         (scheduler.decode, 30),
         (lambda: scheduler.finish(checkpoint=True), 5),
@@ -205,14 +391,17 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
         rng.choices(actions, weights)[0]()
         check(scheduler)
     assert not prefix_cache_objects_held_by(scheduler.pool.storage)
-    while scheduler.running:
-        scheduler.finish(checkpoint=True)
-    scheduler.tree.reset()
-    usage = scheduler.pool.storage.usage()
-    assert all(kind["free"] == kind["total"] for kind in usage.values()), usage
+    moves = scheduler.tree.host.moves if host else {}
+    scheduler.flush()
     skipped = scheduler.pool.checkpoints.skipped
     if scarce is not None:  # the scarce kind ran out and was skipped, never raised
         assert skipped[scarce] > 0, skipped
+    if scarce != "records":  # (three records rarely outlive the requests that make them)
+        assert scheduler.resumes["device"] > 0, scheduler.resumes
+    if host:  # prefixes went to the host, and requests resumed from there
+        assert scheduler.resumes["host"] > 0 and moves["checkpoints_loaded_back"] > 0, (scheduler.resumes, moves)
+    if host == "small_host":
+        assert moves["checkpoints_dropped"] > 0 and moves["write_backs_skipped"] > 0, moves
 
 
 def prefix_cache_objects_held_by(root: object) -> list[str]:
@@ -242,19 +431,26 @@ def prefix_cache_objects_held_by(root: object) -> list[str]:
 
 
 def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[int, list[int]]:
-    """One agentic turn as SGLang runs it: match, prefill, a checkpoint at the prompt's end, decode,
-    a checkpoint at the request's end, release. The tokens it matched, and its whole sequence."""
+    """One agentic turn as SGLang runs it: match (a host hit loaded back), prefill, a checkpoint at the
+    prompt's end, decode, a checkpoint at the request's end, release. The tokens it resumed at (checked
+    bit for bit against what its checkpoint was made with), and its whole sequence."""
     tree, rows, slots = scheduler.tree, scheduler.rows, scheduler.slots
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:-1]))))
     scheduler.count += 1
     req = Request(scheduler.count, array("q", tokens + [0]), array("q", tokens), match.device_prefix_len)
     req.last_node, req.lock = match.last_device_node, tree.lock(match.last_device_node)
+    if match.host_hit_length:
+        assert scheduler._load_back(req, match), "the host hit could not be loaded back"
     row = rows.alloc_rows(1)[0]
     req.kv.req_pool_idx = row
     rows.req_to_token[row, : req.prefix_len] = tree.prefix_device_indices(req).to(torch.int32)
     rows.req_to_token[row, req.prefix_len : len(tokens)] = slots.alloc(len(tokens) - req.prefix_len).to(torch.int32)
     req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, len(tokens)
+    scheduler.resume_states.requests[req.rid] = req
     tree.maybe_hand_to_session(req)
+    if req.prefix_len:
+        scheduler.resume_states.check(req)
+    fake_forward(scheduler.pool, row, req.prefix_len, len(tokens), scheduler.bytes)
     tree.checkpoint(req, up_to=len(tokens))
     for _ in range(new_tokens):
         length = req.kv.kv_allocated_len
@@ -262,6 +458,7 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
         rows.alloc_aux_to_lengths(
             req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
         )
+        fake_forward(scheduler.pool, row, length, length + 1, scheduler.bytes)
         req.kv.kv_allocated_len = length + 1
         req.full_untruncated_fill_ids.append(scheduler.rng.randrange(4))
     req.done = True
@@ -270,7 +467,7 @@ def run_turn(scheduler: Scheduler, tokens: list[int], new_tokens: int) -> tuple[
     slots.free(rows.req_to_token[row][req.kv.cache_protected_len : owned].to(torch.int64))
     tree.unlock(req.lock)
     rows.free_rows([row])
-    return match.device_prefix_len, list(req.full_untruncated_fill_ids[:owned])
+    return req.prefix_len, list(req.full_untruncated_fill_ids[:owned])
 
 
 SESSIONS = 8
@@ -351,20 +548,23 @@ def test_per_request_keeps_a_sessions_last_turn_and_releases_what_its_turns_resu
 class ReportsToRouter:
     """A rank's reports handed straight to a router of one rank (the DP controller's, without the channel)."""
 
-    def __init__(self, router: CacheAwareRouter):
-        self.router = router
+    def __init__(self, router: CacheAwareRouter, also: ResumeStates):
+        self.router, self.also = router, also
 
     def made(self, rid, positions, tokens_past_prompt) -> None:
         self.router.apply(Made(0, rid, tuple(positions), tuple(tokens_past_prompt)))
+        self.also.made(rid, positions, tokens_past_prompt)
 
     def dropped(self, rid, position) -> None:
         self.router.apply(Dropped(0, rid, position))
+        self.also.dropped(rid, position)
 
     def released(self, rid) -> None:
         self.router.apply(Released(0, rid))
 
     def flushed(self) -> None:
         self.router.apply(Flushed(0))
+        self.also.flushed()
 
 
 def test_the_routers_index_from_the_trees_reports_holds_exactly_the_trees_checkpoints(tiny_model):
@@ -373,7 +573,7 @@ def test_the_routers_index_from_the_trees_reports_holds_exactly_the_trees_checkp
     rng = random.Random(3)
     scheduler = Scheduler(tiny_model.config, rng, SCARCE["records"])
     router = CacheAwareRouter(ranks=1)
-    scheduler.tree.reports = ReportsToRouter(router)
+    scheduler.tree.reports = ReportsToRouter(router, scheduler.resume_states)
     checkpoint = scheduler.tree.checkpoint
 
     def sent_then_checkpointed(req, *, up_to):  # the controller sends a prompt before its rank checkpoints it

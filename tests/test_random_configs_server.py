@@ -164,11 +164,3 @@ def test_tensor_parallel_size_that_does_not_divide_is_refused_at_start(tmp_path,
     checkpoint = config_only_checkpoint(tmp_path / "three-heads", num_attention_heads=3, o_groups=3)
     refusal = refusal_at_resolution(checkpoint, "--tp", "2")
     assert refusal.startswith("ConfigError: 'num_attention_heads' (3) is not divisible by tp = 2")
-
-
-def test_a_cache_tier_below_the_device_pool_is_refused_at_start_naming_it(tmp_path, sglang_with_plugin):
-    # SGLang's HiCache stopped the scheduler in its first loop; the launcher now refuses before any scheduler
-    # (--enable-lmcache the same way, by the same check).
-    flag = "--enable-hierarchical-cache"
-    refusal = refusal_at_resolution(config_only_checkpoint(tmp_path / "tiers"), flag)
-    assert refusal.startswith(f"ConfigError: {flag}: DeepSeek-V4's prefix cache keeps its checkpoints in device memory")

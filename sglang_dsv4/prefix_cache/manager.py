@@ -16,12 +16,15 @@ forward reads, checkpoints of what no resume reads (all_committed's windows fall
 per_request keeps), the tree's checkpoints worth least go (:mod:`.retention`), then snapshots not taken yet
 (for window slots); the tree's least recently used tokens (for entry rows). SGLang's admission
 and decode checks ask :meth:`CacheManager.room_for_windows` for the same count, made the same
-way. Nothing below calls up: the allocators (:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`)
-take only what is free and report a shortage, the tables and the planner hold no callables.
+way. A cached prefix the tree loads back from its host tier (:mod:`.host_tier`) gets its rows the same
+way, all or none (:meth:`CacheManager.rows_for_load_back`). Nothing below calls up: the allocators
+(:class:`~sglang_dsv4.memory_pool.shared_rows.SharedRows`) take only what is free and report a shortage, the
+tables and the planner hold no callables.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -59,6 +62,16 @@ class NothingCached:
 
     def evict_some_tokens(self) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class LoadBackRows:
+    """Device rows for a cached prefix coming back from the host tier: its entry rows per ratio, and its
+    checkpoint's window slots and record (none when it comes back without one)."""
+
+    entries: dict[int, torch.Tensor]
+    window: torch.Tensor | None
+    record: int | None
 
 
 class CacheManager:
@@ -175,6 +188,29 @@ class CacheManager:
                 self.checkpoints.skip(NO_WINDOW_SLOTS)
             else:
                 self.checkpoints.plan(row, position)
+
+    def rows_for_load_back(self, entry_counts: dict[int, int], window_slots: int | None) -> LoadBackRows | None:
+        """Device rows for a cached prefix the tree loads back from its host tier: ``entry_counts`` entry rows
+        per ratio and, unless ``window_slots`` is None, a checkpoint of that many window slots and a record;
+        room made as for a forward's own. All of them, or none (``None``) when they cannot be had."""
+        storage, wanted = self.storage, [(rows, entry_counts[r]) for r, rows in self.storage.entry_rows.items()]
+        if window_slots is not None:
+            self.room_for_windows(window_slots)
+            self._room_for_optional(storage.records, 1)
+            wanted += [(storage.window_slots, window_slots), (storage.records, 1)]
+        for ratio, count in entry_counts.items():
+            while storage.entry_rows[ratio].free < count and self.tree.evict_some_tokens():
+                pass
+        taken = [(allocator, allocator.try_alloc(count)) for allocator, count in wanted]
+        if any(rows is None for _, rows in taken):
+            for allocator, rows in taken:
+                if rows is not None:
+                    allocator.release(rows)
+            return None
+        entries = {ratio: rows for ratio, (_, rows) in zip(storage.entry_rows, taken, strict=False)}
+        if window_slots is None:
+            return LoadBackRows(entries, None, None)
+        return LoadBackRows(entries, taken[-2][1], int(taken[-1][1][0]))
 
     # --- making room ---------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """What SGLang calls: the radix-cache factory, the ``/set_internal_state`` handlers, and the launcher's check of
-cache tiers."""
+cache tiers and their flags."""
 
 from __future__ import annotations
 
@@ -7,24 +7,68 @@ from typing import Any
 
 from ..config import ConfigError
 from ..kv_cache import V4KVPool
+from ..memory_pool.host_pools import host_rows_for_bytes
+from ..memory_pool.storage import V4PoolStorage
 from ..settings import settings
 from . import MODE_CODES
+from .host_tier import HostTier
+from .host_tier_size import check_fits_host_memory, host_tier_bytes
 from .tree import V4RadixCache
 
-# SGLang's tiers below the device pool, each copying KV in its own layout, not the V4 pool's rows and records.
-LOWER_TIERS = {"--enable-hierarchical-cache": "enable_hierarchical_cache", "--enable-lmcache": "enable_lmcache"}
+# The one write policy the V4 host tier has: a cached prefix moves to host memory when the device evicts it.
+HOST_TIER_WRITE_POLICY = "write_back"
+# SGLang's HiCache transfer settings, at their defaults: the V4 host tier copies rows in the device pool's own
+# formats, so neither an I/O backend nor a host layout applies to it.
+UNUSED_HICACHE_DEFAULTS = {"hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
 
 
 def check_cache_tiers(view: Any) -> None:
-    """Refuse, at launch, a cache tier below the device pool: the V4 prefix cache keeps its checkpoints
-    in device memory only (SGLang's HiCache would stop the scheduler in its first loop, LMCache copies a
-    KV layout V4's pool does not have)."""
-    for flag, name in LOWER_TIERS.items():
-        if getattr(view, name):
-            raise ConfigError(
-                f"{flag}: DeepSeek-V4's prefix cache keeps its checkpoints in device memory only (no host or "
-                f"storage tier in this sglang-dsv4); leave {flag} off"
+    """Refuse, at launch, what the V4 prefix cache has no tier for: LMCache (it copies a KV layout V4's pool does
+    not have), and under ``--enable-hierarchical-cache`` a storage tier, a host buffer without a cache, a write
+    policy other than write_back, other I/O settings than the defaults it does not use, and speculation."""
+    if view.enable_lmcache:
+        raise ConfigError("--enable-lmcache: DeepSeek-V4's pool rows and checkpoints have no LMCache layout; leave it "
+                          "off")
+    if not view.enable_hierarchical_cache:
+        return
+    for refused, reason in _host_tier_refusals(view):
+        if refused:
+            raise ConfigError(f"--enable-hierarchical-cache: {reason}")
+
+
+def _host_tier_refusals(view: Any) -> list[tuple[bool, str]]:
+    refusals = [
+        (
+            view.hicache_storage_backend is not None,
+            f"--hicache-storage-backend {view.hicache_storage_backend}: DeepSeek-V4's host tier has no storage "
+            "tier below it; leave the flag off",
+        ),
+        (
+            view.hicache_host_memory_mode != "cache",
+            f"--hicache-host-memory-mode {view.hicache_host_memory_mode}: DeepSeek-V4's host tier keeps what the "
+            "device evicts (mode cache); a staging buffer has nothing to hit without a storage tier",
+        ),
+        (
+            view.hicache_write_policy != HOST_TIER_WRITE_POLICY,
+            f"--hicache-write-policy {view.hicache_write_policy}: DeepSeek-V4's host tier writes a prefix when the "
+            f"device evicts it; pass --hicache-write-policy {HOST_TIER_WRITE_POLICY}",
+        ),
+        (
+            bool(view.speculative_algorithm),
+            "DeepSeek-V4's host tier is not built for speculative decoding yet; leave one of the two off",
+        ),
+    ]
+    for name, default in UNUSED_HICACHE_DEFAULTS.items():
+        value = getattr(view, name)
+        flag = "--" + name.replace("_", "-")
+        refusals.append(
+            (
+                value != default,
+                f"{flag} {value}: DeepSeek-V4's host tier copies rows in the device pool's own formats and uses no "
+                f"{flag}; leave it at its default ({default})",
             )
+        )
+    return refusals
 
 
 def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
@@ -44,7 +88,19 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
         prefix_hits=chosen.prefix_hits,
         window_policy=chosen.window_policy,
         checkpoint_interval=chosen.checkpoint_interval,
+        host_tier=build_host_tier(ctx.server_args, pool.storage) if ctx.enable_hierarchical_cache else None,
     )
+
+
+def build_host_tier(server_args: Any, storage: V4PoolStorage) -> HostTier:
+    """The host tier ``--enable-hierarchical-cache`` asks for: ``--hicache-size`` GB, or the ratio (SGLang's
+    auto-sizing, when it ran, has lowered it to fit this host), refused when the host's free memory is less."""
+    import psutil
+    from sglang.srt.runtime_context import get_memory
+
+    size = host_tier_bytes(storage, ratio=get_memory().hicache_ratio, size_gb=server_args.hicache_size)
+    check_fits_host_memory(size, psutil.virtual_memory().available)
+    return HostTier(storage, host_rows_for_bytes(storage, size))
 
 
 def runtime_mode_updates(tree_cache: Any) -> dict[str, Any]:

@@ -27,8 +27,16 @@ it drops) only when it needs tokens. A checkpoint that cannot be had even then i
 (the manager counts it); a request whose own window slots cannot be had waits or is
 retracted (:mod:`.admission`).
 
+With a host tier (:mod:`.host_tier`, SGLang's ``--enable-hierarchical-cache``) the tokens SGLang evicts are
+written back instead of dropped: the node stays in the tree, host-only, its entries and checkpoint copied to
+host rows, and the host's least recently used host-only leaves go when it is full. A match whose deepest
+checkpoint is on the host reports the host part (``host_hit_length``), which SGLang's admission loads back
+(:meth:`V4RadixCache.init_load_back`, synchronously) before the request resumes there; a request that
+computes tokens held on the host again loads them back when it inserts them (:meth:`V4RadixCache.insert`).
+
 Every checkpoint attached and released is told to the tree's :attr:`V4RadixCache.reports` (by the
-request that made it and its position), and so is each request leaving and a reset: under cache-aware
+request that made it and its position; one written back to the host tier is still held, dropped only when it
+leaves the host), and so is each request leaving and a reset: under cache-aware
 DP routing the DP controller's router listens (``sglang_dsv4.routing.rank_reports``); otherwise nobody
 does (:class:`Unreported`).
 """
@@ -36,16 +44,28 @@ does (:class:`Unreported`).
 from __future__ import annotations
 
 import hashlib
+import heapq
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from ..memory_pool.checkpoint import Checkpoint
 from . import CHECKPOINT_RETENTIONS, PREFIX_HITS, WINDOW_POLICIES
+from .host_tier import HostTier
 from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
 from .retention import BY_WORTH, RETENTION_OF, Standing, standing
@@ -87,8 +107,11 @@ class V4RadixCache(RadixCache):
         prefix_hits: str,
         window_policy: str,
         checkpoint_interval: int,
+        host_tier: HostTier | None = None,
     ):
+        """``host_tier``: where evicted prefixes go instead of being dropped (None: they are dropped)."""
         self.manager = manager
+        self.host = host_tier
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.made_by: dict[TreeNode, str] = {}  # the request each checkpoint was made for
         self.reports: CheckpointReports = Unreported()
@@ -144,8 +167,21 @@ class V4RadixCache(RadixCache):
             {"superseded": 0, "shallower": 0, "deepest": 0, "with_tokens": 0, "superseded_at_resume": 0}
         )
         if hasattr(self, "root_node") and self.root_node.children:  # not on the first reset, from __init__
-            self.manager.entry_ownership.release_slots(self.all_values_flatten())
+            self.manager.entry_ownership.release_slots(self._device_slots())
+            if self.host is not None:
+                for node in list(self.host.entries):
+                    self.host.drop(node)
         super().reset()
+
+    def _device_slots(self) -> torch.Tensor:
+        """Every device token slot the tree holds (host-only nodes hold none)."""
+        values, nodes = [self._empty_device_indices], list(self.root_node.children.values())
+        while nodes:
+            node = nodes.pop()
+            if not node.evicted:
+                values.append(node.value)
+            nodes.extend(node.children.values())
+        return torch.cat(values)
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached prefix of the key that ends at a usable checkpoint."""
@@ -156,9 +192,25 @@ class V4RadixCache(RadixCache):
         while node is not self.root_node and not self._resumable(node):
             node = node.parent
         if node is not self.root_node:
-            self.checkpoints[node].touch()
-        length = self._depth(node)
-        return MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node, best_match_node=node)
+            self._checkpoint_at(node).touch()
+        if not node.evicted:
+            length = self._depth(node)
+            return MatchResult(
+                device_prefix_len=length, last_device_node=node, last_host_node=node, best_match_node=node
+            )
+        # A checkpoint on the host: the scheduler loads the nodes from the device part down to it back
+        # (init_load_back) before the request resumes there.
+        device = node
+        while device.evicted:
+            device = device.parent
+        length = self._depth(device)
+        return MatchResult(
+            device_prefix_len=length,
+            last_device_node=device,
+            last_host_node=node,
+            best_match_node=node,
+            host_hit_length=self._depth(node) - length,
+        )
 
     def checkpoint(self, req, *, up_to: int) -> None:
         """Insert the request's tokens up to ``up_to`` and attach its checkpoints to the tree."""
@@ -265,7 +317,8 @@ class V4RadixCache(RadixCache):
                 stack.append((child, above if here is None else here.position))
         below: dict[TreeNode, bool] = {}
         for node in reversed(visited):  # every node after all of its descendants
-            below[node] = any(below[c] or c in self.checkpoints or c.lock_ref > 0 for c in node.children.values())
+            children = node.children.values()
+            below[node] = any(below[c] or self._checkpoint_at(c) is not None or c.lock_ref > 0 for c in children)
         slot_bytes, record_bytes = self.manager.window_slot_bytes, self.manager.record_bytes
         return {
             node: standing(checkpoint, shallower[node], not below[node], slot_bytes, record_bytes)
@@ -298,6 +351,8 @@ class V4RadixCache(RadixCache):
         return any(trimmed)
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        for child in list(node.children.values()):  # host-only: their prefix goes
+            self._drop_host_subtree(child)
         if node in self.checkpoints:
             self.evictions["with_tokens"] += 1
             self._release(node)
@@ -308,13 +363,218 @@ class V4RadixCache(RadixCache):
         """Entry rows ran short: evict least recently used cached tokens (a page's worth)."""
         return self.evict(EvictParams(num_tokens=ALIGNED_PAGE)).num_tokens_evicted > 0
 
+    # --- the host tier (.host_tier) ---------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """SGLang's LRU eviction of token slots; with a host tier each leaf is written back to it (and stays
+        in the tree, host-only) when the host has room or can make it, else dropped as without one."""
+        if self.host is None or self.disable:
+            return super().evict(params)
+        start_time = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < params.num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            parent = node.parent
+            evicted += len(node.value)
+            if not self._write_back(node):
+                self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+                self._delete_leaf(node)
+            if parent in self.evictable_leaves:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+            self.kv_events.record_remove(node)
+        self.update_eviction_metrics(evicted, start_time)
+        return EvictResult(num_tokens_evicted=evicted)
+
+    def _write_back(self, node: TreeNode) -> bool:
+        """Move the device leaf ``node`` to the host: its entries and checkpoint copied there, its device
+        rows and token slots freed; whether it went (else nothing changed)."""
+        ownership, checkpoint = self.manager.entry_ownership, self.checkpoints.get(node)
+        needs = self.host.needs(node.value, checkpoint, ownership)
+        if not self._room_on_host(needs):
+            self.host.moves["write_backs_skipped"] += 1
+            return False
+        self.host.write_back(node, node.value, checkpoint, ownership)
+        if checkpoint is not None:
+            self.manager.checkpoints.release(self.checkpoints.pop(node))
+        ownership.release_slots(node.value)
+        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+        node.value = None
+        self.evictable_size_ -= len(node.key)
+        self._update_leaf_status(node)
+        self._update_leaf_status(node.parent)
+        return True
+
+    def _room_on_host(self, needs) -> bool:
+        """Whether the host has room for ``needs``, dropping its least recently used host-only leaves
+        (none being loaded back) until it does."""
+        host = self.host
+        if not host.could_hold(needs):
+            return False
+        while not host.has_room(needs):
+            leaves = [n for n in host.entries if not n.children and n not in host.pinned]
+            if not leaves:
+                return False
+            self._drop_host_leaf(min(leaves, key=lambda n: n.last_access_time))
+        return True
+
+    def _drop_host_leaf(self, node: TreeNode) -> None:
+        """The host-only leaf ``node`` leaves the tree, its host rows with it."""
+        self._report_dropped(node, self.host.drop(node))
+        node.parent.children.pop(node.key.child_key(self.page_size))
+        self._update_leaf_status(node.parent)
+
+    def _drop_host_subtree(self, node: TreeNode) -> None:
+        for child in list(node.children.values()):
+            self._drop_host_subtree(child)
+        self._drop_host_leaf(node)
+
+    def _report_dropped(self, node: TreeNode, checkpoint: Checkpoint | None) -> None:
+        if checkpoint is not None:
+            self.reports.dropped(self.made_by.pop(node), checkpoint.position)
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        """SGLang's split; a host-only node's host entries split with it."""
+        if not child.evicted:
+            return super()._split_node(key, child, split_len)
+        child.value = torch.zeros(len(child.key), dtype=torch.int64)  # stands in for the slots it has not
+        upper = super()._split_node(key, child, split_len)
+        upper.value = child.value = None
+        self.host.split(upper, child, split_len)
+        return upper
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """SGLang's insert. Host-only nodes on the key's path, which the inserting request computed again,
+        are loaded back first (:meth:`_load_path_back`), so that the request's copies of them are duplicates
+        as of any cached prefix: a cached block's entry never changes while it is cached, on either tier."""
+        if self.host is not None and not self.disable:
+            self._load_path_back(params.key)
+        return super().insert(params)
+
+    def _load_path_back(self, key: RadixKey) -> None:
+        """Load the host-only nodes on ``key``'s path back (their entries; their checkpoints go: the request
+        makes its own); if that cannot be had, the host-only part of the path goes, with all below it."""
+        _, node = self._match_prefix_helper(self.root_node, key)
+        path = []
+        while node.evicted:
+            path.append(node)
+            node = node.parent
+        if path and not self._load_back_locked(path[::-1], with_checkpoint=False):
+            self._drop_host_subtree(path[-1])
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, TreeNode] | None:
+        """SGLang's admission, for a match whose checkpoint is on the host (``best_match_node``): load the
+        host-only nodes from the device part of the path down to it back, taking token slots (evicting the
+        least recently used as SGLang does), entry rows, window slots and a record (the cache manager makes
+        room as for a forward's own), and hang the checkpoint there on the device. Returns the tokens
+        loaded (``host_hit_length``, all of them) and the checkpoint's node, or ``None`` when any of those
+        could not be had or the tree changed since the match (nothing loaded: the request is matched again).
+        The copy is synchronous: nothing is pending afterwards."""
+        node = params.best_match_node
+        if self.host is None or node not in self.host.checkpoints or not self._attached(node):
+            return None
+        path = [node]
+        while path[-1].parent.evicted:
+            path.append(path[-1].parent)
+        path.reverse()
+        tokens = sum(len(n.key) for n in path)
+        if tokens != params.host_hit_length or not self._load_back_locked(path, with_checkpoint=True):
+            return None
+        self.host.moves["tokens_loaded_back"] += tokens
+        return tokens, node
+
+    def _load_back_locked(self, path: list[TreeNode], with_checkpoint: bool) -> bool:
+        """:meth:`_load_back`, the device node above ``path`` locked and ``path`` kept on the host meanwhile
+        (making room evicts on both tiers)."""
+        above = path[0].parent
+        self.inc_lock_ref(above)
+        self.host.pinned.update(path)
+        try:
+            return self._load_back(path, with_checkpoint)
+        finally:
+            self.host.pinned.difference_update(path)
+            self.dec_lock_ref(above)
+
+    def _load_back(self, path: list[TreeNode], with_checkpoint: bool) -> bool:
+        """Device token slots and rows for the host-only ``path`` (top first), its rows copied in; with
+        ``with_checkpoint`` its last node's checkpoint hung on the device, every other host checkpoint on it
+        dropped (a request resumes below them). Whether it was loaded (else nothing changed but what was
+        evicted to make room)."""
+        allocator, tokens = self.token_to_kv_pool_allocator, sum(len(n.key) for n in path)
+        if allocator.available_size() < tokens:
+            self.evict(EvictParams(num_tokens=tokens - allocator.available_size()))
+        slots = allocator.alloc(tokens)
+        if slots is None:
+            return False
+        node = path[-1]
+        window = len(self.host.checkpoints[node].window) if with_checkpoint else None
+        rows = self.manager.rows_for_load_back(self.host.entry_counts(path), window)
+        if rows is None:
+            allocator.free(slots)
+            return False
+        start = 0
+        for loaded in path:
+            loaded.value = slots[start : start + len(loaded.key)].to(torch.int64)
+            start += len(loaded.key)
+            self.evictable_size_ += len(loaded.key)
+        self.host.load_back(path, rows.entries, self.manager.entry_ownership)
+        if with_checkpoint:
+            self.checkpoints[node] = self.host.load_checkpoint_back(node, rows.window, rows.record)
+        for loaded in path:
+            self._report_dropped(loaded, self.host.drop_checkpoint(loaded))
+            self._update_leaf_status(loaded)
+            self._update_leaf_status(loaded.parent)
+        return True
+
+    def _attached(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still in the tree (not dropped since it was matched)."""
+        while node is not self.root_node:
+            if node.parent is None or node.parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = node.parent
+        return True
+
+    def load_back_is_cache_owned(self) -> bool:
+        """The token slots :meth:`init_load_back` loads are the tree's (the request holds them by its lock)."""
+        return True
+
+    def ready_to_load_host_cache(self) -> int:
+        """Before a prefill batch's forward: no load is pending (they are copied in :meth:`init_load_back`)."""
+        return -1
+
+    def check_hicache_events(self) -> None:
+        """Each scheduler step: nothing is in flight between the tiers."""
+
+    @property
+    def ongoing_write_through(self) -> dict:
+        """Write-backs in flight: none (they are copied when the tokens are evicted)."""
+        return {}
+
+    @property
+    def ongoing_load_back(self) -> dict:
+        """Loads in flight: none (they are copied in :meth:`init_load_back`)."""
+        return {}
+
+    enable_storage = False  # no storage tier below the host
+
+    def clear_storage_backend(self) -> bool:
+        """There is no storage tier to clear."""
+        return False
+
     # --- helpers ------------------------------------------------------------------------------
 
     def _resumable(self, node: TreeNode) -> bool:
-        checkpoint = self.checkpoints.get(node)
+        checkpoint = self._checkpoint_at(node)
         if checkpoint is None:
             return False
         return self.prefix_hits.resumable(checkpoint.position)
+
+    def _checkpoint_at(self, node: TreeNode) -> Checkpoint | None:
+        """The checkpoint at ``node`` on either tier."""
+        if node.evicted:
+            return self.host.checkpoints.get(node)
+        return self.checkpoints.get(node)
 
     def _depth(self, node: TreeNode) -> int:
         length = 0
@@ -358,6 +618,7 @@ class V4RadixCache(RadixCache):
             "checkpoint_evictions": dict(self.evictions),
             "checkpoints_skipped": dict(self.manager.checkpoints.skipped),
             "requests_held_back": dict(self.held_back),
+            **({} if self.host is None else {"host_tier": self.host.report()}),
         }
 
     def digest(self) -> str:
@@ -372,17 +633,20 @@ class V4RadixCache(RadixCache):
             node = nodes.pop()
             for key in sorted(node.children):
                 child = node.children[key]
-                digest.update(repr((key, child.key.token_ids, child.value.tolist())).encode())
+                slots = None if child.evicted else child.value.tolist()  # host-only: none
+                digest.update(repr((key, child.key.token_ids, slots)).encode())
                 nodes.append(child)
-        for checkpoint in sorted(self.checkpoints.values(), key=lambda c: (c.position, c.record)):
+        held = [*self.checkpoints.values(), *(self.host.checkpoints.values() if self.host else ())]
+        for checkpoint in sorted(held, key=lambda c: (c.position, c.record)):
             digest.update(repr((checkpoint.position, checkpoint.record, checkpoint.window.tolist())).encode())
         digest.update(self.manager.reference_counts())
         return digest.hexdigest()
 
     def audit(self) -> dict[str, int]:
-        """Rows whose reference count differs from what holds them, per kind of row (all zero when
-        nothing leaked or was freed twice; :meth:`CacheManager.audit`)."""
-        return self.manager.audit(list(self.checkpoints.values()))
+        """Rows whose reference count differs from what holds them, per kind of row on each tier (all zero
+        when nothing leaked or was freed twice; :meth:`CacheManager.audit`, :meth:`HostTier.audit`)."""
+        device = self.manager.audit(list(self.checkpoints.values()))
+        return device if self.host is None else {**device, **self.host.audit()}
 
 
 def check_modes(

@@ -1,0 +1,181 @@
+"""The host tier's rows: the device pool's cached kinds of row copied to CPU memory and back, as stored."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from test_prefix_tree import TOKENS, Scheduler, check, run_turn
+
+from sglang_dsv4.kv_cache import V4KVPool
+from sglang_dsv4.memory_pool.host_pools import HostPools, device_kinds, host_rows_for_bytes
+
+
+def device_pool(config, kv_dtype: torch.dtype) -> V4KVPool:
+    return V4KVPool(1024, 1, config, kv_dtype, max_requests=4, max_context=1024, device="cpu")
+
+
+def fill_with_random_bytes(buffers: list[torch.Tensor], generator: torch.Generator) -> None:
+    for buffer in buffers:
+        raw = buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_every_kind_of_row_comes_back_from_the_host_bit_for_bit(tiny_model, kv_dtype):
+    """Random bytes in the device rows of every kind (FP8-packed rows under FP8) are saved to the host, the
+    device rows are overwritten, and restored into other device rows: equal to what was saved, byte for byte."""
+    storage = device_pool(tiny_model.config, kv_dtype).storage
+    host = HostPools(storage, {name: 20 for name in device_kinds(storage)})
+    generator = torch.Generator().manual_seed(0)
+    for name, (rows, buffers) in device_kinds(storage).items():
+        fill_with_random_bytes(buffers, generator)
+        kind = host.kinds()[name]
+        source, target = rows.alloc(4), rows.alloc(4)
+        saved = [b[source].clone() for b in buffers]
+        held = kind.save(source)
+        fill_with_random_bytes(buffers, generator)
+        kind.restore(held, target)
+        for before, buffer in zip(saved, buffers, strict=True):
+            assert torch.equal(before.view(torch.uint8), buffer[target].view(torch.uint8)), name
+
+
+def test_a_short_host_reports_the_shortage_and_takes_nothing(tiny_model):
+    storage = device_pool(tiny_model.config, torch.float32).storage
+    host = HostPools(storage, {name: 3 for name in device_kinds(storage)})
+    window = host.window
+    assert window.save(storage.window_slots.alloc(4)) is None
+    assert window.rows.free == 3
+    assert window.save(storage.window_slots.alloc(3)) is not None and window.rows.free == 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_a_host_sized_by_bytes_fits_them_in_the_device_pools_proportions(tiny_model, kv_dtype):
+    storage = device_pool(tiny_model.config, kv_dtype).storage
+    device_bytes = sum(b.numel() * b.element_size() for _, buffers in device_kinds(storage).values() for b in buffers)
+    capacity = 3 * device_bytes
+    rows = host_rows_for_bytes(storage, capacity)
+    assert 0.98 * capacity <= HostPools(storage, rows).allocated_bytes <= capacity
+    window_share = rows["window_slots"] / storage.window_slots.capacity
+    for name, (device_rows, _) in device_kinds(storage).items():
+        assert rows[name] == pytest.approx(device_rows.capacity * window_share, abs=1), name
+
+
+# --- the tree over two tiers, driven as SGLang's scheduler drives it ---------------------------------------
+
+
+def session_on_host(tiny_model, host_share: float = 2.0, seed: int = 41) -> tuple[Scheduler, list[int]]:
+    """One finished turn whose whole prefix SGLang's eviction then moved to the host."""
+    scheduler = Scheduler(tiny_model.config, random.Random(seed), host_share=host_share)
+    _, history = run_turn(scheduler, [scheduler.rng.randrange(1024) for _ in range(200)], new_tokens=3)
+    scheduler.tree.evict(EvictParams(num_tokens=TOKENS))
+    check(scheduler)
+    return scheduler, history
+
+
+def match(tree, tokens: list[int]):
+    return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+
+
+def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tiny_model):
+    """The evicted turn's nodes stay in the tree, host-only, with its checkpoints; the next turn's match
+    reports all of it as a host hit, the load brings it back, and the resumed row reads every byte its
+    checkpoint was made with (run_turn checks); the host gives back the rows of what it loaded."""
+    scheduler, history = session_on_host(tiny_model)
+    tree, host = scheduler.tree, scheduler.tree.host
+    assert tree.evictable_size() == 0 and len(tree.checkpoints) == 0 and len(host.checkpoints) > 0
+    hit = match(tree, history + [1])
+    assert (hit.device_prefix_len, hit.host_hit_length) == (0, len(history))
+    window = len(host.checkpoints[hit.best_match_node].window)
+    resumed, _ = run_turn(scheduler, history + [5, 6, 7], new_tokens=2)
+    assert resumed == len(history)
+    report = tree.checkpoint_report()["host_tier"]
+    assert report["checkpoints_loaded_back"] == 1 and report["tokens_loaded_back"] == len(history)
+    # What came back, in the pool's own row sizes: the checkpoint's window and record, every block's entries.
+    layout = scheduler.pool.storage.layout
+    entries = sum(len(history) // b.ratio * layout.row_bytes(b) for b in layout.compressed_buffers())
+    assert report["bytes_to_device"] == window * layout.window_slot_bytes + layout.record_bytes + entries
+    assert len(host.checkpoints) == 0 and not host.entries  # a request resumes below the dropped ones
+    assert all(kind["free"] == kind["total"] for kind in host.pools.usage().values())
+    check(scheduler)
+
+
+def test_a_load_back_that_cannot_have_its_token_slots_changes_nothing(tiny_model):
+    """All or nothing: with every token slot held by running requests (nothing left to evict), the load
+    answers None and the tree, both tiers' rows and every reference count are as they were."""
+    scheduler, history = session_on_host(tiny_model)
+    tree = scheduler.tree
+    hit = match(tree, history + [1])
+    held = scheduler.slots.alloc(scheduler.slots.available_size())
+    before, usage = tree.digest(), tree.host.pools.usage()
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) is None
+    assert tree.digest() == before and tree.host.pools.usage() == usage
+    assert set(tree.audit().values()) == {0}
+    scheduler.slots.free(held)
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) == (
+        len(history),
+        hit.best_match_node,
+    )
+
+
+def test_a_load_back_of_a_prefix_dropped_since_its_match_answers_none(tiny_model):
+    scheduler, history = session_on_host(tiny_model)
+    tree = scheduler.tree
+    hit = match(tree, history + [1])
+    tree.reset()
+    assert tree.init_load_back(InitLoadBackParams(hit.best_match_node, hit.host_hit_length)) is None
+
+
+def test_a_request_computing_host_tokens_again_loads_them_back_and_the_host_checkpoint_below_still_resumes(
+    tiny_model,
+):
+    """A request whose match stops above host-only tokens (no checkpoint on its part of them) computes them
+    again; its insert loads the host's copies back, so the tree keeps the entries the checkpoint below was
+    made with: a later turn resuming there from the host reads exactly those (run_turn checks)."""
+    scheduler, history = session_on_host(tiny_model)
+    tree, rng = scheduler.tree, scheduler.rng
+    resumed, _ = run_turn(scheduler, history[:50] + [rng.randrange(1024) for _ in range(20)], new_tokens=1)
+    assert resumed == 0
+    hit = match(tree, history + [1])
+    assert (hit.device_prefix_len, hit.host_hit_length) == (50, len(history) - 50)
+    resumed, _ = run_turn(scheduler, history + [1, 2], new_tokens=1)
+    assert resumed == len(history)
+
+
+def test_a_full_host_drops_its_least_recently_used_sessions_first(tiny_model):
+    """A host with 0.6 of the device's rows holds two of these sessions' windows: of six evicted one after the
+    other, the latest stays and the one looked up before every turn; the others were dropped, least recently
+    used first."""
+    scheduler = Scheduler(tiny_model.config, random.Random(43), host_share=0.6)
+    tree, histories = scheduler.tree, []
+    for _ in range(6):
+        if histories:
+            match(tree, histories[0] + [1])  # the first session is looked up every turn
+        _, history = run_turn(scheduler, [scheduler.rng.randrange(1024) for _ in range(200)], new_tokens=3)
+        histories.append(history)
+        tree.evict(EvictParams(num_tokens=TOKENS))
+        check(scheduler)
+    on_host = [match(tree, h + [1]).host_hit_length == len(h) for h in histories]
+    assert on_host == [True, False, False, False, False, True]
+    assert tree.host.moves["checkpoints_dropped"] > 0
+
+
+def test_audit_counts_a_host_row_nothing_holds(tiny_model):
+    scheduler, _ = session_on_host(tiny_model)
+    tree = scheduler.tree
+    tree.host.pools.window.rows.try_alloc(1)
+    audit = tree.audit()
+    assert audit == {**dict.fromkeys(audit, 0), "host_window_slots": 1}
+
+
+def test_the_scheduler_finds_nothing_in_flight_between_the_tiers(tiny_model):
+    """What SGLang's scheduler asks of a hierarchical cache: the copies are synchronous, so nothing is pending,
+    no controller runs them, no storage tier lies below, and the loaded slots are the tree's."""
+    tree = session_on_host(tiny_model)[0].tree
+    assert tree.ready_to_load_host_cache() == -1 and tree.check_hicache_events() is None
+    assert len(tree.ongoing_write_through) == 0 and len(tree.ongoing_load_back) == 0
+    assert tree.cache_controller is None and not tree.enable_storage and tree.load_back_is_cache_owned()

@@ -91,6 +91,8 @@ def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tin
     hit = match(tree, history + [1])
     assert (hit.device_prefix_len, hit.host_hit_length) == (0, len(history))
     window = len(host.checkpoints[hit.best_match_node].window)
+    written = tree.checkpoint_report()["host_tier"]
+    assert written["host_bytes_held"] == written["bytes_to_host"] > 0  # all it wrote, nothing dropped since
     resumed, _ = run_turn(scheduler, history + [5, 6, 7], new_tokens=2)
     assert resumed == len(history)
     report = tree.checkpoint_report()["host_tier"]
@@ -101,6 +103,7 @@ def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tin
     assert report["bytes_to_device"] == window * layout.window_slot_bytes + layout.record_bytes + entries
     assert len(host.checkpoints) == 0 and not host.entries  # a request resumes below the dropped ones
     assert all(kind["free"] == kind["total"] for kind in host.pools.usage().values())
+    assert report["host_bytes_held"] == 0
     check(scheduler)
 
 

@@ -71,6 +71,8 @@ def test_sessions_the_device_cannot_hold_resume_from_host_as_a_cold_prefill_woul
     host = host_tier_state(server)
     assert host["tokens_loaded_back"] > 0 and host["checkpoints_loaded_back"] > 0, host
     assert host["bytes_to_host"] > 0 and host["bytes_to_device"] > 0, host
+    rows = host["host_rows"]
+    assert host["host_bytes_held"] > 0 and rows["window_slots"]["free"] < rows["window_slots"]["total"], host
     miscounted = prefix_cache_state(server)["rows_miscounted"]
     assert "host_window_slots" in miscounted and set(miscounted.values()) == {0}, miscounted
     for prompt, cached, reusable in turns[1::3]:
@@ -87,5 +89,5 @@ def test_every_row_comes_back_on_both_tiers_after_a_flush(server):
     in_rounds(server, [Session(seed, first=1500) for seed in (80, 81, 82)], turns=2)
     assert_pools_idle(server)  # every section that counts rows, the host tier's among them
     host = host_tier_state(server)
-    assert host["host_nodes"] == host["host_checkpoints"] == 0, host
+    assert host["host_nodes"] == host["host_checkpoints"] == host["host_bytes_held"] == 0, host
     assert all(counts["free"] == counts["total"] for counts in host["host_rows"].values()), host

@@ -255,3 +255,27 @@ def test_dsv4_ledger_under_speculation_counts_the_rollback_records_and_the_mtp_l
 
 def speculating_rows(cells: dict[str, str]) -> list[str]:
     return [label for label in cells if "rollback" in label]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_a_session_on_the_host_tier_is_the_rows_the_tier_keeps_for_it(kv_dtype):
+    # The oracle: the rows a host tier writes back for a session (every block's entries and indexer keys, and one
+    # checkpoint: a window row in every layer for each of its slots, and a state record), built in their formats.
+    config, context = named_config("flash"), 27648
+    layout = RankLedger(config, Parallelism(8, 8, 8), True, kv_dtype=KV_DTYPES[kv_dtype]).kv
+    entries = sum(layout.format_of(b).encode(torch.zeros(context // b.ratio, b.dim)).nbytes
+                  for b in layout.compressed_buffers())  # fmt: skip
+    window_row = layout.formats.entries.encode(torch.zeros(config.sliding_window, config.head_dim)).nbytes
+    window = len(layout.layers) * window_row
+    record = sum(b.floats for b in layout.state_buffers()) * 4
+    rank = RankLedger(config, Parallelism(8, 8, 8), True, kv_dtype=KV_DTYPES[kv_dtype])
+    assert rank.host_session_bytes(context) == entries + window + record
+
+
+def test_dsv4_ledger_counts_the_sessions_a_host_tier_keeps(capsys):
+    dsv4(["ledger", "--config", "flash", "--tp", "8", "--attn-dp-size", "8", "--ep", "8", "--context", "27648",
+          "--enable-hierarchical-cache", "--hicache-size", "100"])  # fmt: skip
+    cells = per_gpu_cells(capsys.readouterr().out, "per GPU: tp 8, attention DP 8 (attention-TP 1), ep 8")
+    rank = RankLedger(named_config("flash"), Parallelism(8, 8, 8), True)
+    host = cells["kept once evicted, in a host tier of 93.1 GiB"]
+    assert int(host.replace(",", "")) == 100 * 10**9 // rank.host_session_bytes(27648)

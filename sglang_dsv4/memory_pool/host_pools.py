@@ -83,6 +83,11 @@ class HostPools:
     def allocated_bytes(self) -> int:
         return sum(kind.allocated_bytes for kind in self.kinds().values())
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the rows handed out."""
+        return sum((kind.rows.capacity - kind.rows.free) * kind.row_bytes for kind in self.kinds().values())
+
 
 def host_rows_for_bytes(storage: V4PoolStorage, capacity_bytes: int) -> dict[str, int]:
     """Rows of each kind for a host tier of at most ``capacity_bytes`` (padding rows included), in the device

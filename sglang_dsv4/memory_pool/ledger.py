@@ -285,6 +285,17 @@ class RankLedger:
         """Sessions of ``context`` tokens one GPU's pools hold (the same on every GPU of its attention-TP group)."""
         return max(0, math.floor(self.pool_bytes(mem_fraction_static) / self.session_bytes(context)))
 
+    def host_session_bytes(self, context: int) -> int:
+        """What a session evicted to the host tier keeps there: its blocks' entries and keys, and one checkpoint."""
+        return math.ceil(self.kv.bytes_per_token * context) + self.kv.checkpoint_bytes
+
+    def host_tier_bytes(self, mem_fraction_static: float, hicache_ratio: float, hicache_size_gb: float) -> float:
+        """The host tier of one GPU's pools: ``--hicache-size`` GB, else ``--hicache-ratio`` times the pools' bytes
+        (the tier mirrors their window slots, records and entry rows: all but the running requests' state)."""
+        if hicache_size_gb > 0:
+            return hicache_size_gb * 1e9
+        return hicache_ratio * max(self.pool_bytes(mem_fraction_static), 0)
+
     def distinct_sessions_per_gpu(self, mem_fraction_static: float, context: int) -> float:
         """Sessions per GPU that no other GPU also holds: the pools' sessions over the attention-TP size."""
         return self.pool_sessions(mem_fraction_static, context) / self.parallel.attention_tp
@@ -293,7 +304,8 @@ class RankLedger:
         """Distinct sessions on a node of :data:`GPUS_PER_NODE` GPUs."""
         return self.pool_sessions(mem_fraction_static, context) * GPUS_PER_NODE // self.parallel.attention_tp
 
-    def table(self, mem_fraction_static: float, contexts: Sequence[int], title: str) -> str:
+    def table(self, mem_fraction_static: float, contexts: Sequence[int], title: str, host_tier_bytes: float = 0) -> str:
+        """``host_tier_bytes``: the host tier below one GPU's pools (``--enable-hierarchical-cache``; 0: none)."""
         weights = self.weight_bytes()
         pools = self.pool_bytes(mem_fraction_static)
         parallel, kv = self.parallel, self.kv
@@ -330,6 +342,9 @@ class RankLedger:
                     f"{self.distinct_sessions_per_node(mem_fraction_static, context):,}",
                 ),
             ]
+            if host_tier_bytes > 0:
+                held = math.floor(host_tier_bytes / self.host_session_bytes(context))
+                rows.append((f"  kept once evicted, in a host tier of {_gib(host_tier_bytes)}", f"{held:,}"))
         if parallel.attn_dp == 1:
             mode = (
                 f"no attention DP: the {parallel.tp} GPUs of the TP group share their sessions (each holds all of them)"
@@ -457,6 +472,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " the MTP layer's KV and each running request's rollback records join our layout",
     )
     parser.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="a host tier below each GPU's pools (SGLang's flag): the sessions it keeps once evicted",
+    )
+    parser.add_argument(
+        "--hicache-ratio", type=float, default=2.0, help="host bytes per device pool byte (SGLang's; default 2.0)"
+    )
+    parser.add_argument(
+        "--hicache-size", type=float, default=0, help="host tier GB per GPU (SGLang's; overrides the ratio)"
+    )
+    parser.add_argument(
         "--mem-fraction-static",
         type=float,
         default=DEFAULT_MEM_FRACTION_STATIC,
@@ -482,7 +508,10 @@ def run(args: argparse.Namespace) -> None:
             redundant_experts=args.ep_num_redundant_experts,
             verify_tokens=ledger.verify_tokens,
         )
-        per_gpu = rank.table(args.mem_fraction_static, args.context, title)
+        host = 0.0
+        if args.enable_hierarchical_cache:
+            host = rank.host_tier_bytes(args.mem_fraction_static, args.hicache_ratio, args.hicache_size)
+        per_gpu = rank.table(args.mem_fraction_static, args.context, title, host)
     except ValueError as error:
         raise SystemExit(f"dsv4 ledger: {error}") from None
     print(ledger.table(args.context, title=title))

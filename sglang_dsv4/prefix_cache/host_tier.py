@@ -186,5 +186,6 @@ class HostTier:
             "host_checkpoints": len(self.checkpoints),
             "host_rows": self.pools.usage(),
             "host_bytes": self.pools.allocated_bytes,
+            "host_bytes_held": self.pools.held_bytes,
             **self.moves,
         }

@@ -182,3 +182,20 @@ def test_the_scheduler_finds_nothing_in_flight_between_the_tiers(tiny_model):
     assert tree.ready_to_load_host_cache() == -1 and tree.check_hicache_events() is None
     assert len(tree.ongoing_write_through) == 0 and len(tree.ongoing_load_back) == 0
     assert tree.cache_controller is None and not tree.enable_storage and tree.load_back_is_cache_owned()
+
+
+def test_sglangs_hicache_gauges_read_the_host_tier_in_tokens(tiny_model):
+    """``--enable-metrics`` logs the host pool's tokens each step: SGLang's reporter reads the tier as a host pool."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+
+    scheduler, _ = session_on_host(tiny_model)
+    entries = scheduler.tree.host.pools.entries[min(scheduler.tree.host.pools.entries)].rows
+    reporter = SimpleNamespace(
+        scheduler=SimpleNamespace(enable_hierarchical_cache=True, tree_cache=scheduler.tree), stats=SimpleNamespace()
+    )
+    SchedulerMetricsReporter._log_hicache_stats(reporter)
+    ratio = min(scheduler.tree.host.pools.entries)
+    assert reporter.stats.hicache_host_total_tokens == ratio * entries.capacity
+    assert reporter.stats.hicache_host_used_tokens == ratio * (entries.capacity - entries.free) > 0

@@ -189,3 +189,19 @@ class HostTier:
             "host_bytes_held": self.pools.held_bytes,
             **self.moves,
         }
+
+
+class HostTokens:
+    """The host tier counted in tokens, as SGLang's HiCache gauges read a host pool (``logical_size``,
+    ``available_size()``): by the entry rows of the smallest compression ratio, one a block of ``ratio`` tokens."""
+
+    def __init__(self, pools: HostPools):
+        self.ratio = min(pools.entries)
+        self.rows = pools.entries[self.ratio].rows
+
+    @property
+    def logical_size(self) -> int:
+        return self.ratio * self.rows.capacity
+
+    def available_size(self) -> int:
+        return self.ratio * self.rows.free

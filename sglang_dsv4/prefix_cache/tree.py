@@ -65,7 +65,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from ..memory_pool.checkpoint import Checkpoint
 from . import CHECKPOINT_RETENTIONS, PREFIX_HITS, WINDOW_POLICIES
-from .host_tier import HostTier
+from .host_tier import HostTier, HostTokens
 from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
 from .retention import BY_WORTH, RETENTION_OF, Standing, standing
@@ -555,6 +555,11 @@ class V4RadixCache(RadixCache):
     def ongoing_load_back(self) -> dict:
         """Loads in flight: none (they are copied in :meth:`init_load_back`)."""
         return {}
+
+    @property
+    def token_to_kv_pool_host(self) -> HostTokens | None:
+        """The host tier in tokens, for SGLang's HiCache gauges (``--enable-metrics``)."""
+        return None if self.host is None else HostTokens(self.host.pools)
 
     enable_storage = False  # no storage tier below the host
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 from conftest import random_ids
 from serving_checks import assert_pools_idle
-from test_prefix_cache_server import TOLERANCE, flush, generate, prefix_cache_state, prompt_logprobs
+from test_prefix_cache_server import assert_a_cold_prefill_agrees, flush, generate, prefix_cache_state
 
 from sglang_dsv4.launch import running_server
 
@@ -76,12 +76,7 @@ def test_sessions_the_device_cannot_hold_resume_from_host_as_a_cold_prefill_woul
     miscounted = prefix_cache_state(server)["rows_miscounted"]
     assert "host_window_slots" in miscounted and set(miscounted.values()) == {0}, miscounted
     for prompt, cached, reusable in turns[1::3]:
-        flush(server)
-        cold = generate(server, prompt, len(cached["output_ids"]), logprobs_from=reusable)
-        assert cold["meta_info"]["cached_tokens"] == 0
-        assert cold["output_ids"] == cached["output_ids"]
-        differences = [abs(a - b) for a, b in zip(prompt_logprobs(cold), prompt_logprobs(cached), strict=True)]
-        assert max(differences, default=0.0) <= TOLERANCE
+        assert_a_cold_prefill_agrees(server, prompt, cached, reusable)
     assert requests.get(f"{server}/health", timeout=30).status_code == 200
 
 

@@ -82,17 +82,23 @@ def conversation(url: str, turns: int, seed: int, first: int = 301) -> list[tupl
     return results
 
 
+def assert_a_cold_prefill_agrees(url: str, prompt: list[int], cached: dict, reusable: int) -> None:
+    """The same prompt on the flushed cache gives the cached turn's output, and its prompt's logprobs from
+    ``reusable`` on within :data:`TOLERANCE`."""
+    flush(url)
+    cold = generate(url, prompt, len(cached["output_ids"]), logprobs_from=reusable)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert cold["output_ids"] == cached["output_ids"]
+    differences = [abs(a - b) for a, b in zip(prompt_logprobs(cold), prompt_logprobs(cached), strict=True)]
+    assert max(differences, default=0.0) <= TOLERANCE
+
+
 def test_each_agentic_turn_resumes_where_the_last_one_ended_and_matches_a_cold_prefill(server):
     flush(server)
     turns = conversation(server, turns=10, seed=7)
     for prompt, cached, reusable in turns:
         assert cached["meta_info"]["cached_tokens"] == reusable
-        flush(server)
-        cold = generate(server, prompt, len(cached["output_ids"]), logprobs_from=reusable)
-        assert cold["meta_info"]["cached_tokens"] == 0
-        assert cold["output_ids"] == cached["output_ids"]
-        differences = [abs(a - b) for a, b in zip(prompt_logprobs(cold), prompt_logprobs(cached), strict=True)]
-        assert max(differences, default=0.0) <= TOLERANCE
+        assert_a_cold_prefill_agrees(server, prompt, cached, reusable)
     assert set(prefix_cache_state(server)["rows_miscounted"].values()) == {0}
 
 

@@ -40,10 +40,8 @@ def check_fits_host_memory(requested_bytes: int, available_bytes: int) -> None:
 
 def estimate_hicache_bytes(original, params: Any, draft_plan: Any) -> int:
     """SGLang's HiCache auto-sizing asks the device bytes its host mirrors scale with: for the V4 pool, the rows
-    the host tier mirrors."""
-    from ..kv_cache import V4KVPool
-
-    pool = params.token_to_kv_pool_allocator.get_kvcache()
-    if isinstance(pool, V4KVPool):
-        return mirrored_device_bytes(pool.storage)
+    the host tier mirrors. The V4 pool is known by its storage, so this layer needs nothing from the one above."""
+    storage = getattr(params.token_to_kv_pool_allocator.get_kvcache(), "storage", None)
+    if isinstance(storage, V4PoolStorage):
+        return mirrored_device_bytes(storage)
     return original(params, draft_plan)

@@ -22,7 +22,7 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    step) against its KV-bytes floor;
 5. side by side, the versions the batched core chose between: the layer's compressors (and its
    indexer's) through the Triton decode kernel and through the batched torch pools it replaced;
-   for ratio-4 layers, the Triton top-k and ``torch.topk`` on scores of the step's width;
+   for ratio-4 layers, the step's top-k (``indexer.exact_top_k``) and ``torch.topk`` on scores of the step's width;
 6. at batch 64 and 8K, times the per-request path in the same run: the network's
    ``Attention`` request by request on per-request state (what the reference backend runs,
    without its pool gathers, so an upper bound on its speed).
@@ -55,8 +55,9 @@ from sglang_dsv4.attention_backend import batched
 from sglang_dsv4.config import DeepseekV4Config, named_config
 from sglang_dsv4.kernels import topk
 from sglang_dsv4.kernels.dispatch import sparse_attention
-from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.kernels.indexer import exact_top_k
 from sglang_dsv4.kernels.kv_format import PoolFormats
+from sglang_dsv4.kernels.selection import KVSelection
 from sglang_dsv4.memory_pool.layout import STATE_DTYPE, PoolLayout
 from sglang_dsv4.memory_pool.ledger import KV_DTYPES
 from sglang_dsv4.model.attention import Attention
@@ -202,14 +203,15 @@ class Compressors:
 
 
 def top_k_pair_us(config: DeepseekV4Config, step: DecodeStep, context: int, timer: Timer) -> tuple[float, float]:
-    """The Triton top-k and ``torch.topk`` (``topk.top_k_reference``) on random scores of the step's
-    shape: one row per request, the ratio-4 table's width, ``context / 4`` of them visible."""
+    """The step's top-k (``indexer.exact_top_k``, the kernel its shapes choose) and ``torch.topk``
+    (``topk.top_k_reference``) on random scores of the step's shape: one row per request, the ratio-4 table's
+    width, ``context / 4`` of them visible."""
     width = step.pools.entry_table[config.csa_rate].shape[1]
     scores = torch.randn(step.rows.shape[0], width, device=DEVICE)
     lengths = torch.full((step.rows.shape[0],), context // config.csa_rate, dtype=torch.int32, device=DEVICE)
     k = config.index_topk
     return (
-        timer.graph_us(partial(topk.top_k, scores, lengths, k)),
+        timer.graph_us(partial(exact_top_k, scores, lengths, k)),
         timer.graph_us(partial(topk.top_k_reference, scores, lengths, k)),
     )
 
@@ -377,7 +379,7 @@ def bench(
         row["compressors_us"] = timer.graph_us(Compressors(step, batched._advance_one_token_each))
         row["compressors_torch_us"] = timer.graph_us(Compressors(step, batched._advance_pooled))
     if attention.indexer is not None:
-        row["topk_triton_us"], row["topk_torch_us"] = top_k_pair_us(config, step, context, timer)
+        row["topk_step_us"], row["topk_torch_us"] = top_k_pair_us(config, step, context, timer)
     positions = torch.full((batch,), context - 1, device=DEVICE)
     row["projections_us"] = timer.graph_us(Projections(step, ForwardRope.of_model(positions, config)))
     row["projections_floor_us"], row["projections_bound"] = floor_us(

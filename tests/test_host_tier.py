@@ -107,6 +107,33 @@ def test_an_evicted_sessions_next_turn_resumes_from_the_host_at_its_last_end(tin
     check(scheduler)
 
 
+def test_under_write_through_a_cached_turn_is_on_the_host_before_eviction_which_copies_only_its_checkpoints(
+    tiny_model,
+):
+    """Under SGLang's default policy the turn's entries are copied when the tree caches it (nodes backed up,
+    still on the device); evicting it copies only its checkpoints' windows and records; the next turn resumes
+    from the host reading every byte its checkpoint was made with (run_turn checks), and the loaded nodes keep
+    their host copy."""
+    scheduler = Scheduler(tiny_model.config, random.Random(41), host_share=2.0, write_policy="write_through")
+    tree, host = scheduler.tree, scheduler.tree.host
+    _, history = run_turn(scheduler, [scheduler.rng.randrange(1024) for _ in range(200)], new_tokens=3)
+    layout = scheduler.pool.storage.layout
+    entries = sum(len(history) // b.ratio * layout.row_bytes(b) for b in layout.compressed_buffers())
+    cached = host.report()
+    assert cached["backed_up_nodes"] > 0 and cached["host_nodes"] == 0
+    assert cached["bytes_to_host"] == entries  # every block's entries, no checkpoint yet
+    tree.evict(EvictParams(num_tokens=TOKENS))
+    check(scheduler)
+    evicted = host.report()
+    windows = sum(len(c.window) * layout.window_slot_bytes + layout.record_bytes for c in host.checkpoints.values())
+    assert evicted["backed_up_nodes"] == 0 and evicted["host_nodes"] == cached["backed_up_nodes"]
+    assert evicted["bytes_to_host"] - cached["bytes_to_host"] == windows > 0
+    resumed, _ = run_turn(scheduler, history + [5, 6, 7], new_tokens=2)
+    assert resumed == len(history)
+    assert host.report()["backed_up_nodes"] >= cached["backed_up_nodes"] and host.report()["host_nodes"] == 0
+    check(scheduler)
+
+
 def test_a_load_back_that_cannot_have_its_token_slots_changes_nothing(tiny_model):
     """All or nothing: with every token slot held by running requests (nothing left to evict), the load
     answers None and the tree, both tiers' rows and every reference count are as they were."""

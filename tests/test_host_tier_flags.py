@@ -29,6 +29,17 @@ def test_the_host_tier_with_write_back_resolves_with_a_ratio_or_without(checkpoi
     assert resolved_at_resolution(checkpoint, *TIER).enable_hierarchical_cache
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
+def test_the_write_through_policies_resolve(checkpoint, sglang_with_plugin, policy):
+    resolved = resolved_at_resolution(checkpoint, "--enable-hierarchical-cache", "--hicache-write-policy", policy)
+    assert resolved.enable_hierarchical_cache and resolved.hicache_write_policy == policy
+
+
+def test_the_plain_flag_resolves_to_sglangs_default_write_through(checkpoint, sglang_with_plugin):
+    plain = resolved_at_resolution(checkpoint, "--enable-hierarchical-cache")
+    assert plain.enable_hierarchical_cache and plain.hicache_write_policy == "write_through"
+
+
 def test_the_alias_and_a_size_in_gigabytes_resolve(checkpoint, sglang_with_plugin):
     resolved = resolved_at_resolution(checkpoint, "--enable-hicache", "--hicache-write-policy", "write_back",
                                       "--hicache-size", "2")  # fmt: skip
@@ -38,9 +49,6 @@ def test_the_alias_and_a_size_in_gigabytes_resolve(checkpoint, sglang_with_plugi
 @pytest.mark.parametrize(
     ("args", "refusal"),
     [
-        # SGLang's default write policy is write_through: the plain flag is refused, naming the one that works.
-        (("--enable-hierarchical-cache",), "--hicache-write-policy write_through: DeepSeek-V4's host tier writes"),
-        ((*TIER[:2], "write_through_selective"), "--hicache-write-policy write_through_selective:"),
         ((*TIER, "--hicache-storage-backend", "file"), "--hicache-storage-backend file: DeepSeek-V4's host tier has"),
         ((*TIER, "--hicache-io-backend", "direct"), "--hicache-io-backend direct: DeepSeek-V4's host tier copies"),
         ((*TIER, "--hicache-mem-layout", "layer_first"), "--hicache-mem-layout layer_first: DeepSeek-V4's host"),
@@ -110,7 +118,8 @@ def test_the_host_tier_holds_ratio_times_the_device_rows_or_the_size_asked(stora
     row_bytes = {name: sum(b[0].nbytes for b in buffers) for name, (_, buffers) in device_kinds(storage).items()}
     doubled = host_rows_for_bytes(storage, host_tier_bytes(storage, ratio=2.0, size_gb=0))
     held = sum(rows * row_bytes[name] for name, rows in doubled.items())
-    assert 2 * mirrored_device_bytes(storage) - 2 * sum(row_bytes.values()) <= held <= 2 * mirrored_device_bytes(storage)
+    doubled_bytes = 2 * mirrored_device_bytes(storage)
+    assert doubled_bytes - 2 * sum(row_bytes.values()) <= held <= doubled_bytes
     assert host_tier_bytes(storage, ratio=2.0, size_gb=3) == 3 * GB  # --hicache-size overrides the ratio
 
 

@@ -1,7 +1,9 @@
 """The host tier served (issue 28): sessions the device pool cannot hold resume from host memory, token-exact.
 
 One server of the tiny checkpoint with a device pool of 4,096 token slots and two request rows, and a host tier of
-eight times the device rows (``--enable-hierarchical-cache --hicache-write-policy write_back --hicache-ratio 8``).
+eight times the device rows (``--enable-hierarchical-cache --hicache-ratio 8``: SGLang's default write policy,
+write_through, so every cached node's entries are on the host before it is evicted; write_back is served in
+``test_pool_exhaustion_server.py`` and the host-tier CPG benchmark).
 Six agent-like sessions of ~1,500 tokens and more take turns in rounds, two running at a time: between two turns
 of a session the five others' pass through a pool that holds about two, the tree moves what it evicts to the
 host, and the next turn loads its prefix back from there before its forward.
@@ -21,7 +23,7 @@ from test_prefix_cache_server import assert_a_cold_prefill_agrees, flush, genera
 
 from sglang_dsv4.launch import running_server
 
-HOST_TIER = ("--enable-hierarchical-cache", "--hicache-write-policy", "write_back", "--hicache-ratio", "8")
+HOST_TIER = ("--enable-hierarchical-cache", "--hicache-ratio", "8")
 SMALL_DEVICE = ("--max-total-tokens", "4096", "--max-running-requests", "2")
 
 
@@ -69,6 +71,7 @@ def test_sessions_the_device_cannot_hold_resume_from_host_as_a_cold_prefill_woul
     # Every turn resumed all that its previous turn left reusable, from the device or from the host.
     assert [cached["meta_info"]["cached_tokens"] for _, cached, _ in turns] == [reusable for _, _, reusable in turns]
     host = host_tier_state(server)
+    assert host["write_policy"] == "write_through" and host["nodes_written_through"] > 0, host
     assert host["tokens_loaded_back"] > 0 and host["checkpoints_loaded_back"] > 0, host
     assert host["bytes_to_host"] > 0 and host["bytes_to_device"] > 0, host
     rows = host["host_rows"]
@@ -84,5 +87,5 @@ def test_every_row_comes_back_on_both_tiers_after_a_flush(server):
     in_rounds(server, [Session(seed, first=1500) for seed in (80, 81, 82)], turns=2)
     assert_pools_idle(server)  # every section that counts rows, the host tier's among them
     host = host_tier_state(server)
-    assert host["host_nodes"] == host["host_checkpoints"] == host["host_bytes_held"] == 0, host
+    assert host["host_nodes"] == host["backed_up_nodes"] == host["host_checkpoints"] == host["host_bytes_held"] == 0
     assert all(counts["free"] == counts["total"] for counts in host["host_rows"].values()), host

@@ -25,7 +25,7 @@ from test_pool import make_scarce
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.host_pools import device_kinds
 from sglang_dsv4.memory_pool.storage import V4PoolStorage
-from sglang_dsv4.prefix_cache.host_tier import HostTier
+from sglang_dsv4.prefix_cache.host_tier import WRITE_POLICIES, HostTier
 from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
 from sglang_dsv4.prefix_cache.tree import V4RadixCache
 from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
@@ -74,9 +74,10 @@ class Scheduler:
         scarce: tuple[str, int] | None = None,
         host_share: float | None = None,
         tokens: int = TOKENS,
+        write_policy: str = "write_back",
     ):
-        """``host_share``: a host tier with that share of the device's rows of each kind (None: none);
-        ``tokens``: token slots."""
+        """``host_share``: a host tier with that share of the device's rows of each kind (None: none), written
+        per ``write_policy``; ``tokens``: token slots."""
         self.rng = rng
         self.tokens = tokens
         self.pool = V4KVPool(tokens, 1, config, torch.float32, max_requests=ROWS, max_context=CONTEXT, device="cpu")
@@ -85,7 +86,8 @@ class Scheduler:
         host = None
         if host_share is not None:
             kinds = device_kinds(self.pool.storage).items()
-            host = HostTier(self.pool.storage, {name: int(rows.capacity * host_share) for name, (rows, _) in kinds})
+            rows = {name: int(rows.capacity * host_share) for name, (rows, _) in kinds}
+            host = HostTier(self.pool.storage, rows, WRITE_POLICIES[write_policy])
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", enable_memory_saver=False)
         self.rows.attach_aux_cache(self.pool.manager)
         self.slots = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", self.pool, need_sort=False)
@@ -333,17 +335,24 @@ def check(scheduler: Scheduler) -> None:
 
 def check_tiers(tree: V4RadixCache) -> None:
     """Host-only nodes lie below every device node of their paths, hold no token slots and their host
-    checkpoints; device nodes hold their device checkpoints."""
+    checkpoints; device nodes hold their device checkpoints, and a device node backed up (write-through
+    policies only) has a host row for each block whose entry it owns."""
     host = tree.host
     for node in tree.checkpoints:
         assert not node.evicted
     if host is None:
         return
     assert set(host.checkpoints) <= set(host.entries)
+    of_slot = tree.manager.entry_ownership.of_slot
     stack = [tree.root_node]
     while stack:
         node = stack.pop()
-        assert node.evicted == (node in host.entries)
+        if node.evicted:
+            assert node in host.entries
+        elif node in host.entries:
+            assert host.policy.backs_up and node not in host.checkpoints
+            for ratio, host_rows in host.entries[node].items():
+                assert torch.equal(host_rows > 0, of_slot[ratio][node.value.long()] > 0)
         for child in node.children.values():
             assert child.evicted or not node.evicted, "a device node below a host-only one"
             stack.append(child)
@@ -353,8 +362,15 @@ def check_tiers(tree: V4RadixCache) -> None:
 SCARCE = {"records": ("records", 3), "window_slots": ("window_slots", 3 * 129 + 200)}
 
 
-# A host tier: twice the device's rows of each kind, or a third of them (its LRU drops what it cannot hold).
-HOST_SHARES = {None: None, "host": 2.0, "small_host": 0.3}
+# A host tier: twice the device's rows of each kind, or a third of them (its LRU drops what it cannot hold), and
+# its write policy.
+HOSTS = {
+    None: (None, "write_back"),
+    "host": (2.0, "write_back"),
+    "small_host": (0.3, "write_back"),
+    "host_write_through": (2.0, "write_through"),
+    "small_host_write_through_selective": (0.3, "write_through_selective"),
+}
 
 
 @pytest.mark.parametrize(
@@ -367,13 +383,17 @@ HOST_SHARES = {None: None, "host": 2.0, "small_host": 0.3}
         (4, "records", "host"),
         (2, "window_slots", "host"),  # (scarce window slots leave few checkpoints to resume from: seed 5 none)
         (6, None, "small_host"),
+        (7, None, "host_write_through"),
+        (8, None, "small_host_write_through_selective"),
     ],
 )
 def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(tiny_model, seed, scarce, host):
     """With a host tier, also: every resume (from either tier) reads the bytes its checkpoint was made with,
-    the host's rows audit exact, and flushes give every row back on both tiers."""
+    the host's rows audit exact, and flushes give every row back on both tiers; under write-through policies
+    resumes read the entries backed up when their nodes were cached."""
     rng = random.Random(seed)
-    scheduler = Scheduler(tiny_model.config, rng, SCARCE.get(scarce), HOST_SHARES[host])
+    host_share, write_policy = HOSTS[host]
+    scheduler = Scheduler(tiny_model.config, rng, SCARCE.get(scarce), host_share, write_policy=write_policy)
     flushes = [(scheduler.flush, 0.1)] if host else []
     operations = flushes + [
         (scheduler.admit, 6),
@@ -402,6 +422,8 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
         assert scheduler.resumes["host"] > 0 and moves["checkpoints_loaded_back"] > 0, (scheduler.resumes, moves)
     if host == "small_host":
         assert moves["checkpoints_dropped"] > 0 and moves["write_backs_skipped"] > 0, moves
+    if write_policy != "write_back":  # nodes were backed up when cached, and evicted without copying their entries
+        assert moves["nodes_written_through"] > 0, moves
 
 
 def prefix_cache_objects_held_by(root: object) -> list[str]:

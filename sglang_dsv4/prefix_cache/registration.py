@@ -11,12 +11,10 @@ from ..memory_pool.host_pools import host_rows_for_bytes
 from ..memory_pool.storage import V4PoolStorage
 from ..settings import settings
 from . import MODE_CODES
-from .host_tier import HostTier
+from .host_tier import WRITE_POLICIES, HostTier
 from .host_tier_size import check_fits_host_memory, host_tier_bytes
 from .tree import V4RadixCache
 
-# The one write policy the V4 host tier has: a cached prefix moves to host memory when the device evicts it.
-HOST_TIER_WRITE_POLICY = "write_back"
 # SGLang's HiCache transfer settings, at their defaults: the V4 host tier copies rows in the device pool's own
 # formats, so neither an I/O backend nor a host layout applies to it.
 UNUSED_HICACHE_DEFAULTS = {"hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
@@ -24,8 +22,8 @@ UNUSED_HICACHE_DEFAULTS = {"hicache_io_backend": "kernel", "hicache_mem_layout":
 
 def check_cache_tiers(view: Any) -> None:
     """Refuse, at launch, what the V4 prefix cache has no tier for: LMCache (it copies a KV layout V4's pool does
-    not have), and under ``--enable-hierarchical-cache`` a storage tier, a host buffer without a cache, a write
-    policy other than write_back, other I/O settings than the defaults it does not use, and speculation."""
+    not have), and under ``--enable-hierarchical-cache`` a storage tier, a host buffer without a cache, other I/O
+    settings than the defaults it does not use, and speculation."""
     if view.enable_lmcache:
         raise ConfigError("--enable-lmcache: DeepSeek-V4's pool rows and checkpoints have no LMCache layout; leave it "
                           "off")
@@ -47,11 +45,6 @@ def _host_tier_refusals(view: Any) -> list[tuple[bool, str]]:
             view.hicache_host_memory_mode != "cache",
             f"--hicache-host-memory-mode {view.hicache_host_memory_mode}: DeepSeek-V4's host tier keeps what the "
             "device evicts (mode cache); a staging buffer has nothing to hit without a storage tier",
-        ),
-        (
-            view.hicache_write_policy != HOST_TIER_WRITE_POLICY,
-            f"--hicache-write-policy {view.hicache_write_policy}: DeepSeek-V4's host tier writes a prefix when the "
-            f"device evicts it; pass --hicache-write-policy {HOST_TIER_WRITE_POLICY}",
         ),
         (
             bool(view.speculative_algorithm),
@@ -94,13 +87,14 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
 
 def build_host_tier(server_args: Any, storage: V4PoolStorage) -> HostTier:
     """The host tier ``--enable-hierarchical-cache`` asks for: ``--hicache-size`` GB, or the ratio (SGLang's
-    auto-sizing, when it ran, has lowered it to fit this host), refused when the host's free memory is less."""
+    auto-sizing, when it ran, has lowered it to fit this host), refused when the host's free memory is less;
+    written per ``--hicache-write-policy``."""
     import psutil
     from sglang.srt.runtime_context import get_memory
 
     size = host_tier_bytes(storage, ratio=get_memory().hicache_ratio, size_gb=server_args.hicache_size)
     check_fits_host_memory(size, psutil.virtual_memory().available)
-    return HostTier(storage, host_rows_for_bytes(storage, size))
+    return HostTier(storage, host_rows_for_bytes(storage, size), WRITE_POLICIES[server_args.hicache_write_policy])
 
 
 def runtime_mode_updates(tree_cache: Any) -> dict[str, Any]:

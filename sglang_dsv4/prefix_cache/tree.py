@@ -29,7 +29,8 @@ retracted (:mod:`.admission`).
 
 With a host tier (:mod:`.host_tier`, SGLang's ``--enable-hierarchical-cache``) the tokens SGLang evicts are
 written back instead of dropped: the node stays in the tree, host-only, its entries and checkpoint copied to
-host rows, and the host's least recently used host-only leaves go when it is full. A match whose deepest
+host rows (under ``write_through`` its entries were copied when it was cached), and the host's least recently
+used host-only leaves and backups go when it is full. A match whose deepest
 checkpoint is on the host reports the host part (``host_hit_length``), which SGLang's admission loads back
 (:meth:`V4RadixCache.init_load_back`, synchronously) before the request resumes there; a request that
 computes tokens held on the host again loads them back when it inserts them (:meth:`V4RadixCache.insert`).
@@ -225,6 +226,7 @@ class V4RadixCache(RadixCache):
         self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
         self.manager.entry_ownership.adopt(row, tree_slots, protected, max(existing, protected))
         self.manager.entry_ownership.commit(row, tree_slots, max(existing, protected), len(tree_slots))
+        self._write_through(node)
         req.kv.cache_protected_len = len(tree_slots)
         self.unlock(req.lock)
         req.lock = self.lock(node)
@@ -353,6 +355,8 @@ class V4RadixCache(RadixCache):
     def _delete_leaf(self, node: TreeNode) -> None:
         for child in list(node.children.values()):  # host-only: their prefix goes
             self._drop_host_subtree(child)
+        if self.host is not None and node in self.host.entries:
+            self.host.drop_backup(node)
         if node in self.checkpoints:
             self.evictions["with_tokens"] += 1
             self._release(node)
@@ -391,8 +395,8 @@ class V4RadixCache(RadixCache):
         """Move the device leaf ``node`` to the host: its entries and checkpoint copied there, its device
         rows and token slots freed; whether it went (else nothing changed)."""
         ownership, checkpoint = self.manager.entry_ownership, self.checkpoints.get(node)
-        needs = self.host.needs(node.value, checkpoint, ownership)
-        if not self._room_on_host(needs):
+        needs = self.host.needs(node, node.value, checkpoint, ownership)
+        if not self._room_on_host(needs, keep=node):
             self.host.moves["write_backs_skipped"] += 1
             return False
         self.host.write_back(node, node.value, checkpoint, ownership)
@@ -406,17 +410,36 @@ class V4RadixCache(RadixCache):
         self._update_leaf_status(node.parent)
         return True
 
-    def _room_on_host(self, needs) -> bool:
-        """Whether the host has room for ``needs``, dropping its least recently used host-only leaves
-        (none being loaded back) until it does."""
+    def _write_through(self, node: TreeNode) -> None:
+        """Back up the device nodes from ``node``, just cached, up to the root that the write policy says are due
+        (their entries copied to the host, kept on the device), each when the host has room or can make it."""
+        host = self.host
+        while host is not None and node is not self.root_node:
+            if node not in host.entries and host.policy.due(node):
+                ownership = self.manager.entry_ownership
+                if self._room_on_host(host.needs(node, node.value, None, ownership), keep=node):
+                    host.back_up(node, node.value, ownership)
+                else:
+                    host.moves["write_throughs_skipped"] += 1
+            node = node.parent
+
+    def _room_on_host(self, needs, keep: TreeNode | None = None) -> bool:
+        """Whether the host has room for ``needs``, dropping until it does, least recently used first, its
+        host-only leaves (none being loaded back) and device nodes' backups (but ``keep``'s)."""
         host = self.host
         if not host.could_hold(needs):
             return False
         while not host.has_room(needs):
-            leaves = [n for n in host.entries if not n.children and n not in host.pinned]
-            if not leaves:
+            droppable = [
+                n for n in host.entries if n is not keep and n not in host.pinned and not (n.evicted and n.children)
+            ]
+            if not droppable:
                 return False
-            self._drop_host_leaf(min(leaves, key=lambda n: n.last_access_time))
+            dropped = min(droppable, key=lambda n: n.last_access_time)
+            if dropped.evicted:
+                self._drop_host_leaf(dropped)
+            else:
+                host.drop_backup(dropped)
         return True
 
     def _drop_host_leaf(self, node: TreeNode) -> None:
@@ -435,9 +458,12 @@ class V4RadixCache(RadixCache):
             self.reports.dropped(self.made_by.pop(node), checkpoint.position)
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
-        """SGLang's split; a host-only node's host entries split with it."""
+        """SGLang's split; a node's host entries (host-only, or its backup) split with it."""
         if not child.evicted:
-            return super()._split_node(key, child, split_len)
+            upper = super()._split_node(key, child, split_len)
+            if self.host is not None and child in self.host.entries:
+                self.host.split(upper, child, split_len)
+            return upper
         child.value = torch.zeros(len(child.key), dtype=torch.int64)  # stands in for the slots it has not
         upper = super()._split_node(key, child, split_len)
         upper.value = child.value = None
@@ -548,7 +574,7 @@ class V4RadixCache(RadixCache):
 
     @property
     def ongoing_write_through(self) -> dict:
-        """Write-backs in flight: none (they are copied when the tokens are evicted)."""
+        """Copies to the host in flight: none (they are synchronous, when a node is cached or evicted)."""
         return {}
 
     @property

@@ -414,7 +414,9 @@ class V4RadixCache(RadixCache):
         """Back up the device nodes from ``node``, just cached, up to the root that the write policy says are due
         (their entries copied to the host, kept on the device), each when the host has room or can make it."""
         host = self.host
-        while host is not None and node is not self.root_node:
+        if host is None or not host.policy.backs_up:
+            return
+        while node is not self.root_node:
             if node not in host.entries and host.policy.due(node):
                 ownership = self.manager.entry_ownership
                 if self._room_on_host(host.needs(node, node.value, None, ownership), keep=node):

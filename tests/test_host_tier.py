@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_prefix_tree import TOKENS, Scheduler, check, run_turn
 
 from sglang_dsv4.kv_cache import V4KVPool
-from sglang_dsv4.memory_pool.host_pools import HostPools, device_kinds, host_rows_for_bytes
+from sglang_dsv4.memory_pool.host_pools import HostPools, consecutive, device_kinds, host_rows_for_bytes
 
 
 def device_pool(config, kv_dtype: torch.dtype) -> V4KVPool:
@@ -42,6 +42,25 @@ def test_every_kind_of_row_comes_back_from_the_host_bit_for_bit(tiny_model, kv_d
         kind.restore(held, target)
         for before, buffer in zip(saved, buffers, strict=True):
             assert torch.equal(before.view(torch.uint8), buffer[target].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(
+    ("host_rows", "one_run"),
+    [([9, 8, 7, 6], True), ([3, 4, 5], True), ([5], True), ([], True), ([9, 7, 8], False), ([2, 3, 5], False)],
+    ids=["counting-down", "counting-up", "one", "none", "shuffled", "gap"],
+)
+def test_a_run_of_consecutive_host_rows_is_read_in_place_paired_with_its_device_rows(host_rows, one_run):
+    """What a load on CUDA copies without gathering: the host slice it reads, row for row, lands where a
+    gather would put it; rows that are not one run answer None (they are gathered)."""
+    host = torch.arange(10 * 3).view(10, 3)
+    rows = torch.tensor(host_rows, dtype=torch.int64)
+    device_rows = torch.arange(len(rows)) * 2
+    gathered = torch.zeros(2 * len(rows), 3, dtype=host.dtype).index_copy_(0, device_rows, host[rows])
+    run = consecutive(rows, device_rows)
+    assert (run is not None) == one_run
+    if run is not None:
+        in_host, ordered = run
+        assert torch.equal(torch.zeros_like(gathered).index_copy_(0, ordered, host[in_host]), gathered)
 
 
 def test_a_short_host_reports_the_shortage_and_takes_nothing(tiny_model):
@@ -203,8 +222,9 @@ def test_audit_counts_a_host_row_nothing_holds(tiny_model):
 
 
 def test_the_scheduler_finds_nothing_in_flight_between_the_tiers(tiny_model):
-    """What SGLang's scheduler asks of a hierarchical cache: the copies are synchronous, so nothing is pending,
-    no controller runs them, no storage tier lies below, and the loaded slots are the tree's."""
+    """What SGLang's scheduler asks of a hierarchical cache: nothing pending for it to track (copies to the host
+    are synchronous, loads ordered by the streams), no controller runs them, no storage tier lies below, and the
+    loaded slots are the tree's."""
     tree = session_on_host(tiny_model)[0].tree
     assert tree.ready_to_load_host_cache() == -1 and tree.check_hicache_events() is None
     assert len(tree.ongoing_write_through) == 0 and len(tree.ongoing_load_back) == 0

@@ -8,8 +8,11 @@ is), so a row is copied as stored, bit for bit, both ways. Each kind hands its r
 :class:`~.shared_rows.SharedRows`: :meth:`HostRowKind.save` takes only what is free and answers ``None``
 when the host is short (making room is the prefix cache's, :mod:`sglang_dsv4.prefix_cache.tree`).
 
-On our CPU platform the device buffers are CPU tensors too; the copies are ``index_select`` / ``index_copy_``
-whatever the device, synchronous.
+Copies to the host (:meth:`HostRowKind.save`) are synchronous: the rows are read when a node is cached or
+evicted. Copies back (:meth:`HostRowKind.restore`) go through :class:`DeviceLoads`: on CUDA, from pinned memory
+on a stream of their own, so the host thread never waits and the copy overlaps what runs on other streams (the
+previous batch's forward, under SGLang's overlap scheduler); on our CPU platform, where the device buffers are
+CPU tensors too, a plain ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -27,27 +30,100 @@ def entry_kind(ratio: int) -> str:
     return f"ratio_{ratio}_entries"
 
 
-class HostRowKind:
-    """One kind of row on the host: its allocator, and each device buffer of the kind with its host twin."""
+class DeviceLoads:
+    """Copies of host rows into device rows.
 
-    def __init__(self, rows: SharedRows, device_buffers: list[torch.Tensor]):
+    On CUDA, a load is issued on a stream of its own: the host rows, in pinned memory (gathered unless they are
+    consecutive), are copied to the device and scattered into their rows there, after the stream has waited for
+    what the current stream was asked so far (the rows written were free by then); the current stream then waits
+    for the load stream. So whatever the current stream is asked next sees the rows, while the host thread never
+    blocks and the copy overlaps work on other streams. SGLang's scheduler issues loads on its schedule stream
+    while the previous batch's forward runs on its forward stream, and makes the forward stream wait for the
+    schedule stream before the next forward: that forward reads the rows loaded, the previous one is not held up.
+    Pinned memory freed while a copy from it is in flight is not reused before the copy ends (PyTorch's
+    pinned-memory cache records it).
+
+    Host rows are written only after the loads issued have finished reading them (:meth:`finish`): a load may
+    read the host buffer in place, and its rows may be freed and taken again meanwhile.
+
+    Elsewhere (our CPU platform): a plain ``index_copy_``, done when issued.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(
+        self, buffers: list[tuple[torch.Tensor, torch.Tensor]], host_rows: torch.Tensor, device_rows: torch.Tensor
+    ) -> None:
+        """``device[device_rows] = host[host_rows]`` for each ``(host, device)`` of ``buffers``, as seen by
+        whatever the current stream runs next."""
+        if self.stream is None:
+            for host, device in buffers:
+                device.index_copy_(0, device_rows.to(device.device), host.index_select(0, host_rows))
+            return
+        run = consecutive(host_rows, device_rows)
+        if run is not None:
+            in_host, device_rows = run
+        rows = device_rows.to(torch.int64).pin_memory()
+        current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            target = rows.to(self.stream.device, non_blocking=True)
+            for host, device in buffers:
+                staged = host[in_host] if run is not None else _gathered(host, host_rows)
+                device.index_copy_(0, target, staged.to(device.device, non_blocking=True))
+        current.wait_stream(self.stream)
+
+    def finish(self) -> None:
+        """The host waits until the loads issued are done (at once when none is in flight)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def _gathered(host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``host[rows]`` in pinned memory of its own."""
+    staged = torch.empty(len(rows), *host.shape[1:], dtype=host.dtype, pin_memory=True)
+    return torch.index_select(host, 0, rows, out=staged)
+
+
+def consecutive(host_rows: torch.Tensor, device_rows: torch.Tensor) -> tuple[slice, torch.Tensor] | None:
+    """When ``host_rows`` are consecutive rows (either way; :class:`SharedRows` hands rows out counting down while
+    nothing was freed in between): the slice of the host buffer that holds them in ascending order, and
+    ``device_rows`` in that order. Else ``None``."""
+    step = int(host_rows[1] - host_rows[0]) if len(host_rows) > 1 else 1
+    if abs(step) != 1 or not bool((host_rows.diff() == step).all()):
+        return None
+    if step < 0:
+        host_rows, device_rows = host_rows.flip(0), device_rows.flip(0)
+    start = int(host_rows[0]) if len(host_rows) else 0
+    return slice(start, start + len(host_rows)), device_rows
+
+
+class HostRowKind:
+    """One kind of row on the host: its allocator, and each device buffer of the kind with its host twin (in
+    pinned memory when the device is a GPU, so that :class:`DeviceLoads` copies it asynchronously)."""
+
+    def __init__(self, rows: SharedRows, device_buffers: list[torch.Tensor], loads: DeviceLoads):
         self.rows = rows
         self.device_buffers = device_buffers
-        self.host_buffers = [torch.zeros(rows.capacity + 1, *b.shape[1:], dtype=b.dtype) for b in device_buffers]
+        self.loads = loads
+        self.host_buffers = [
+            torch.zeros(rows.capacity + 1, *b.shape[1:], dtype=b.dtype, pin_memory=b.is_cuda) for b in device_buffers
+        ]
 
     def save(self, device_rows: torch.Tensor) -> torch.Tensor | None:
         """Host rows holding copies of ``device_rows`` (one reference each), or ``None`` when fewer are free."""
         host_rows = self.rows.try_alloc(len(device_rows))
         if host_rows is not None:
+            self.loads.finish()
             for host, device in zip(self.host_buffers, self.device_buffers, strict=True):
                 host.index_copy_(0, host_rows, device.index_select(0, device_rows.to(device.device)).cpu())
         return host_rows
 
     def restore(self, host_rows: torch.Tensor, device_rows: torch.Tensor) -> None:
-        """Copy host rows ``host_rows`` into device rows ``device_rows`` (both held by the caller)."""
-        for host, device in zip(self.host_buffers, self.device_buffers, strict=True):
-            rows = host.index_select(0, host_rows).to(device.device)
-            device.index_copy_(0, device_rows.to(device.device), rows)
+        """Copy host rows ``host_rows`` into device rows ``device_rows`` (both held by the caller), through
+        :class:`DeviceLoads`."""
+        self.loads.copy(list(zip(self.host_buffers, self.device_buffers, strict=True)), host_rows, device_rows)
 
     @property
     def row_bytes(self) -> int:
@@ -64,8 +140,9 @@ class HostPools:
     of each kind (named as :meth:`V4PoolStorage.usage` names them; :func:`host_rows_for_bytes` sizes them)."""
 
     def __init__(self, storage: V4PoolStorage, rows: dict[str, int]):
+        self.loads = DeviceLoads(storage.device)
         kinds = {
-            name: HostRowKind(SharedRows(rows[name], f"host {device_rows.name}"), buffers)
+            name: HostRowKind(SharedRows(rows[name], f"host {device_rows.name}"), buffers, self.loads)
             for name, (device_rows, buffers) in device_kinds(storage).items()
         }
         self.window, self.records = kinds[WINDOW_SLOTS], kinds[RECORDS]

@@ -32,7 +32,8 @@ written back instead of dropped: the node stays in the tree, host-only, its entr
 host rows (under ``write_through`` its entries were copied when it was cached), and the host's least recently
 used host-only leaves and backups go when it is full. A match whose deepest
 checkpoint is on the host reports the host part (``host_hit_length``), which SGLang's admission loads back
-(:meth:`V4RadixCache.init_load_back`, synchronously) before the request resumes there; a request that
+(:meth:`V4RadixCache.init_load_back`; on CUDA the copies run on a stream of their own, ordered before the next
+forward: :class:`~sglang_dsv4.memory_pool.host_pools.DeviceLoads`) before the request resumes there; a request that
 computes tokens held on the host again loads them back when it inserts them (:meth:`V4RadixCache.insert`).
 
 Every checkpoint attached and released is told to the tree's :attr:`V4RadixCache.reports` (by the
@@ -498,7 +499,8 @@ class V4RadixCache(RadixCache):
         room as for a forward's own), and hang the checkpoint there on the device. Returns the tokens
         loaded (``host_hit_length``, all of them) and the checkpoint's node, or ``None`` when any of those
         could not be had or the tree changed since the match (nothing loaded: the request is matched again).
-        The copy is synchronous: nothing is pending afterwards."""
+        Nothing is left for the scheduler to wait on: on CUDA the copies are in flight, ordered before whatever
+        its stream runs next (:class:`~sglang_dsv4.memory_pool.host_pools.DeviceLoads`)."""
         node = params.best_match_node
         if self.host is None or node not in self.host.checkpoints or not self._attached(node):
             return None
@@ -568,7 +570,8 @@ class V4RadixCache(RadixCache):
         return True
 
     def ready_to_load_host_cache(self) -> int:
-        """Before a prefill batch's forward: no load is pending (they are copied in :meth:`init_load_back`)."""
+        """Before a prefill batch's forward: no load for SGLang's layer counter to wait on (the loads issued in
+        :meth:`init_load_back` are ordered before the forward by the streams)."""
         return -1
 
     def check_hicache_events(self) -> None:
@@ -581,7 +584,8 @@ class V4RadixCache(RadixCache):
 
     @property
     def ongoing_load_back(self) -> dict:
-        """Loads in flight: none (they are copied in :meth:`init_load_back`)."""
+        """Loads SGLang's scheduler tracks: none (those issued in :meth:`init_load_back` are ordered before the
+        next forward by the streams)."""
         return {}
 
     @property

@@ -114,27 +114,22 @@ class Forward:
                 torch.matmul(self.a, self.a, out=self.out)
 
 
+def timed_ms(run) -> tuple[float, float]:
+    """Median wall times of ``run`` from a synchronised start: until it returns (the host thread's issue), and
+    until everything it launched has finished."""
+    issued, finished = [], []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        issued.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        finished.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(issued), statistics.median(finished)
+
+
 def wall_ms(run) -> float:
-    """The median wall time of ``run`` from a synchronised start to everything finished."""
-    times = []
-    for _ in range(REPEATS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def issue_ms(run) -> float:
-    times = []
-    for _ in range(REPEATS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    return timed_ms(run)[1]
 
 
 def h2d_gbps() -> float:
@@ -169,8 +164,7 @@ def measure(kv: str, tokens: int, gbps: float, schedule: torch.cuda.Stream, forw
     row["floor_ms"] = session.bytes / gbps / 1e6
     with torch.cuda.stream(schedule):
         row["synchronous_ms"] = wall_ms(session.load_synchronously)
-        row["asynchronous_ms"] = wall_ms(session.load)
-        row["issue_ms"] = issue_ms(session.load)
+        row["issue_ms"], row["asynchronous_ms"] = timed_ms(session.load)
         per_gemm = wall_ms(Forward(forward_stream, 1).launch)
         forward = Forward(forward_stream, max(1, round(2 * row["asynchronous_ms"] / per_gemm)))
         row["forward_ms"] = wall_ms(forward.launch)
@@ -178,8 +172,7 @@ def measure(kv: str, tokens: int, gbps: float, schedule: torch.cuda.Stream, forw
             add_overlap(row, name, forward, load)
         check_landed(row, "landed_equal", session, forward)
         session.scatter()
-        row["asynchronous_scattered_ms"] = wall_ms(session.load)
-        row["issue_scattered_ms"] = issue_ms(session.load)
+        row["issue_scattered_ms"], row["asynchronous_scattered_ms"] = timed_ms(session.load)
         add_overlap(row, "asynchronous_scattered", forward, session.load)
         check_landed(row, "scattered_landed_equal", session, forward)
     print(json.dumps(row), flush=True)

@@ -284,11 +284,10 @@ class AttentionCore:
                 self.entries, self.reads, self.index = entries, reads, index
 
                 def select() -> KVSelection:
-                    chosen = batched.select_entries(
+                    rows, counts = batched.select_entries(
                         attention.indexer, step.x, q_residual, index, keys, formats.indexer_keys
                     )
-                    rows = reads.table[index.token_request[:, None], chosen.clamp(min=0)].to(torch.int32)
-                    return KVSelection(entries, rows, (chosen >= 0).sum(-1, dtype=torch.int32), formats.entries)
+                    return KVSelection(entries, rows, counts, formats.entries)
 
                 self.select = select
         self.sink = attention.attn_sink.float()

@@ -610,12 +610,14 @@ def test_indexer_selections_equal_the_reference(tiny_model):
     records = batched._records(pool.storage, (layer, "indexer"))
     keys = batched._Rows(pool.storage.compressed[(layer, "indexer_keys")], pool.storage.formats.indexer_keys)
     batched._advance(attention.indexer.compressor, x, index, keys, records)
-    chosen = batched.select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
+    rows, counts = batched.select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
+    table = index.entries[4].table
     masks = [mask for request in expected for mask in request]
     for token, mask in enumerate(masks):
-        chosen_blocks = sorted(chosen[token][chosen[token] >= 0].tolist())
-        assert chosen_blocks == mask.nonzero().flatten().tolist(), f"token {token}"
-    assert (chosen >= 0).all(dim=1).any()  # some tokens see more entries than the top-k keeps
+        expected_rows = table[index.token_request[token], mask.nonzero().flatten()]
+        assert int(counts[token]) == len(expected_rows), f"token {token}"
+        assert sorted(rows[token, : int(counts[token])].tolist()) == sorted(expected_rows.tolist()), f"token {token}"
+    assert (counts == attention.indexer.topk).any()  # some tokens see more entries than the top-k keeps
 
 
 def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):

@@ -118,7 +118,12 @@ def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype, fp8_keys):
     table = torch.zeros(2, 8, dtype=torch.int32)
     weights = torch.zeros(2, config.index_n_heads)
     index_scores(q, weights, keys, lengths, scale=0.1, table=table, keys_format=keys_format)
-    assert_fits(hopper, before, 1)
+    requests_table = torch.zeros(3, 8, dtype=torch.int64)  # the served form: the requests' rows, read by token
+    index_scores(
+        q, weights, keys, lengths, scale=0.1, table=requests_table, table_row=torch.tensor([2, 0]),
+        keys_format=keys_format,
+    )  # fmt: skip
+    assert_fits(hopper, before, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -166,7 +171,8 @@ def test_low_rank_query_norm_fits_in_every_dtype(hopper, model, dtype):
 
 @pytest.mark.parametrize("width", [2049, 16384, 32769])
 def test_top_k_fits_at_decode_widths(hopper, width):
-    """The whole-row select up to its widest rule width, and the three-launch top-k, at k = 512."""
+    """The whole-row select up to its widest rule width (writing slots, and writing entry rows and counts), and the
+    three-launch top-k, at k = 512."""
     from sglang_dsv4.kernels import topk
 
     scores, lengths = torch.zeros(2, width), torch.full((2,), width, dtype=torch.int32)
@@ -174,7 +180,8 @@ def test_top_k_fits_at_decode_widths(hopper, width):
     topk.top_k(scores, lengths, 512)
     if width <= 16384:
         topk.whole_row_top_k(scores, lengths, 512)
-    assert_fits(hopper, before, 3)
+        topk.whole_row_top_k_rows(scores, lengths, 512, torch.zeros(3, width, dtype=torch.int64), torch.tensor([2, 0]))
+    assert_fits(hopper, before, 5 if width <= 16384 else 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

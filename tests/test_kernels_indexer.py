@@ -121,6 +121,22 @@ def test_scores_of_fp8_key_rows_dequantized_in_the_kernel_match_the_reference(in
 
 
 @interpreted_only
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_scores_through_table_rows_equal_the_scores_of_the_gathered_table(indexer, poisoned, table_dtype):
+    """Each row reading its request's table row where it lies (``table_row``; the served table is int64) scores as
+    the same rows gathered into a table of its own."""
+    generator = torch.Generator().manual_seed(11)
+    q, weights = torch.randn(5, 16, 32, generator=generator), torch.randn(5, 16, generator=generator)
+    keys = torch.randn(90, 32, generator=generator)
+    table = torch.randint(0, 90, (3, 70), generator=generator).to(table_dtype)
+    table_row = torch.tensor([2, 0, 2, 1, 0])
+    lengths = torch.tensor([70, 0, 33, 1, 69], dtype=torch.int32)
+    gathered = table[table_row].to(torch.int32)
+    by_row = indexer.index_scores(q, weights, keys, lengths, scale=0.2, table=table, table_row=table_row)
+    assert torch.equal(by_row, indexer.index_scores(q, weights, keys, lengths, scale=0.2, table=gathered))
+
+
+@interpreted_only
 def test_scores_without_a_table_read_the_pool_in_order(indexer):
     generator = torch.Generator().manual_seed(3)
     q, weights = torch.randn(2, 16, 32, generator=generator), torch.randn(2, 16, generator=generator)
@@ -157,6 +173,45 @@ def test_whole_row_top_k_is_torch_topk(topk, poisoned, rows, width, k):
     lengths = torch.randint(0, width + 1, (rows,), generator=generator, dtype=torch.int32)
     lengths[0], lengths[-1] = width, min(k, width) - 1  # a full row and one shorter than k
     assert_same_sets(topk.whole_row_top_k(scores, lengths, k), scores, lengths, k)
+
+
+@interpreted_only
+def test_whole_row_top_k_stopping_at_a_digit_every_key_of_which_is_taken(topk, poisoned):
+    """Rows whose select stops early at different digits (150 each of 0, 1, 2 and 3: at k = 150 and 300 it stops
+    on a prefix that is a taken score's whole key; clusters straddling the cut; the cut inside a run of equal
+    scores) and rows whose only stop would be under the least key there is (scores near ``-float32 max``, the row
+    no longer than k): still exactly ``torch.topk``'s set."""
+    generator = torch.Generator().manual_seed(21)
+    rows = [
+        torch.arange(600)[torch.randperm(600, generator=generator)].div(150, rounding_mode="floor").float(),  # 0-3
+        torch.randn(600, generator=generator).round(decimals=1),  # clusters of equal scores
+        torch.cat([torch.full((300,), 0.5), torch.randn(300, generator=generator)]),  # the cut in a run
+        torch.cat([torch.tensor([5.0, -3e38, -3e38]), torch.full((597,), float("nan"))]),  # length 3, k >= 3
+        torch.cat([torch.tensor([-3e38, 2.0, -3e38, -1e37]), torch.full((596,), float("nan"))]),
+    ]
+    scores = torch.stack(rows)
+    lengths = torch.tensor([600, 600, 600, 3, 4], dtype=torch.int32)
+    for k in (3, 4, 100, 150, 299, 300, 301):
+        assert_same_sets(topk.whole_row_top_k(scores, lengths, k), scores, lengths, k)
+
+
+@interpreted_only
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_whole_row_top_k_rows_write_the_tables_rows_at_the_chosen_slots(topk, poisoned, table_dtype):
+    """The same select writing ``table[table_row[r], slot]`` and the count, rows shorter than k and empty ones
+    among them."""
+    generator = torch.Generator().manual_seed(4)
+    rows, width, k = 5, 2049, 512
+    scores = torch.randn(rows, width, generator=generator)
+    lengths = torch.tensor([width, 0, 511, 512, 1700], dtype=torch.int32)
+    table = torch.randint(0, 10**6, (3, width + 5), generator=generator).to(table_dtype)
+    table_row = torch.tensor([1, 0, 2, 2, 0])
+    chosen = topk.whole_row_top_k(scores, lengths, k)
+    entry_rows, counts = topk.whole_row_top_k_rows(scores, lengths, k, table, table_row)
+    assert_same_sets(chosen, scores, lengths, k)
+    assert counts.dtype == torch.int32 and counts.tolist() == lengths.clamp(max=k).tolist()
+    expected = torch.where(chosen >= 0, table[table_row[:, None], chosen.clamp(min=0).long()], -1).to(torch.int32)
+    assert entry_rows.dtype == torch.int32 and torch.equal(entry_rows, expected)
 
 
 @interpreted_only
@@ -271,11 +326,13 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch, p
         (7, 6, "whole_row", True),
     ],
 )
-def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
+def test_batched_chosen_entries_kernel_path_equals_the_streamed_torch_top_k(
     indexer, monkeypatch, rows, k, top_k_path, fp8_keys, poisoned
 ):
+    """:func:`.dispatch.chosen_entries_triton` (scores read through the requests' int64 table, the top-k written as
+    entry rows) against the CPU path: the streamed torch top-k, its blocks mapped through the table."""
     from sglang_dsv4.kernels import sparse_torch
-    from sglang_dsv4.kernels.dispatch import index_top_k_triton
+    from sglang_dsv4.kernels.dispatch import chosen_entries_triton
 
     force_top_k(indexer, monkeypatch, top_k_path)
 
@@ -290,10 +347,10 @@ def test_batched_index_top_k_kernel_path_equals_the_streamed_torch_top_k(
     q, weights = torch.randn(rows, heads, dim), torch.rand(rows, heads)
     keys_format = Fp8KeyRows(dim) if fp8_keys else None  # the pool's rows FP8: both paths read them decoded
     args = (q, weights, keys if keys_format is None else keys_format.encode(keys), table, table_row, lengths, k)
-    chosen = index_top_k_triton(*args, scale=0.2, keys_format=keys_format)
-    expected = sparse_torch.streamed_top_k(*args, scale=0.2, keys_format=keys_format)
-    assert chosen.dtype == expected.dtype and chosen.shape == expected.shape
-    for row, (mine, theirs) in enumerate(zip(chosen.tolist(), expected.tolist(), strict=True)):
-        found = min(k, int(lengths[row]))
-        assert all(slot >= 0 for slot in mine[:found]) and all(slot == -1 for slot in mine[found:]), f"row {row}"
-        assert sorted(mine) == sorted(theirs), f"row {row}"
+    entry_rows, counts = chosen_entries_triton(*args, scale=0.2, keys_format=keys_format)
+    chosen = sparse_torch.streamed_top_k(*args, scale=0.2, keys_format=keys_format)
+    expected_rows, expected_counts = sparse_torch.chosen_entry_rows(table, table_row, chosen)
+    assert entry_rows.dtype == counts.dtype == torch.int32 and entry_rows.shape == expected_rows.shape
+    assert torch.equal(counts, expected_counts)
+    for row, count in enumerate(counts.tolist()):
+        assert sorted(entry_rows[row, :count].tolist()) == sorted(expected_rows[row, :count].tolist()), f"row {row}"

@@ -38,12 +38,11 @@ from ..kernels import sparse_torch
 from ..kernels.dispatch import (
     DecodeJob,
     DecodeWrites,
-    chosen_entry_rows,
+    chosen_entries,
     compress_one_token_each,
     compress_pair_one_token_each,
     encode_rows,
     fill_decode_index,
-    index_top_k,
     sparse_attention,
 )
 from ..kernels.kv_format import PoolFormats, RowFormat
@@ -733,8 +732,7 @@ def attend(
             key_records = _records(storage, (layer, "indexer"))
             jobs = (attention.compressor, entries, entry_records), (attention.indexer.compressor, keys, key_records)
             _advance_pair(*jobs, x, index)
-            chosen = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
-            rows, selected = chosen_entry_rows(reads.table, index.token_request, chosen)
+            rows, selected = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
             compressed = KVSelection(entries.rows, rows, selected, entries.row_format)
     sink = attention.attn_sink[heads]  # the kernel reads it as float32: no cast launched
     return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
@@ -747,12 +745,13 @@ def select_entries(
     index: ForwardIndex,
     keys: torch.Tensor,
     keys_format: RowFormat | None = None,
-) -> torch.Tensor:
-    """The indexer's choice for every token: ``[tokens, index_topk]`` block indices, best first, then -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's choice for every token as its attention reads it: the entry rows of its ``index_topk`` best
+    blocks ``[tokens, index_topk]`` int32 (past the choice never read) and how many it chose ``[tokens]`` int32
     (``keys``: the indexer key pool, its rows stored in ``keys_format``)."""
     q, head_weights = indexer.queries(x, q_residual, index.rope)
     reads = index.entries[indexer.compressor.ratio]
-    return index_top_k(
+    return chosen_entries(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
         scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners, keys_format=keys_format,
     )  # fmt: skip

@@ -385,7 +385,7 @@ def encode_rows(row_format: RowFormat, values: torch.Tensor) -> torch.Tensor:
 INDEX_ROW_TILE = 256
 
 
-def index_top_k(
+def chosen_entries(
     q: torch.Tensor,
     head_weights: torch.Tensor,
     keys: torch.Tensor,
@@ -397,34 +397,24 @@ def index_top_k(
     scale: float,
     tile_owners: list[int],
     keys_format: RowFormat | None = None,
-) -> torch.Tensor:
-    """The indexer's ``k`` best key slots of each query row, ``[rows, k]`` int64, then ``-1``
-    (:func:`.sparse_torch.streamed_top_k`, whose arguments these are). The slots come best first
-    except from the Triton top-k, whose order is not set: callers use them as a set."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's choice as its attention reads it: each query row's ``k`` best key slots ``j`` (the arguments of
+    :func:`.sparse_torch.streamed_top_k`) written as ``table[table_row[r], j]``, ``[rows, k]`` int32 (past the
+    choice never read), and how many it chose, ``[rows]`` int32. On CUDA the scoring kernel and the whole-row
+    select writing the table's rows (:func:`chosen_entries_triton`); elsewhere the streamed torch top-k, best first,
+    and :func:`.sparse_torch.chosen_entry_rows`."""
     if uses_triton(q):
-        return index_top_k_triton(
+        return chosen_entries_triton(
             q, head_weights, keys, table, table_row, lengths, k, scale=scale, keys_format=keys_format
         )
-    return sparse_torch.streamed_top_k(
+    chosen = sparse_torch.streamed_top_k(
         q, head_weights, keys, table, table_row, lengths, k, scale=scale, tile_owners=tile_owners,
         keys_format=keys_format,
     )  # fmt: skip
-
-
-def chosen_entry_rows(
-    table: torch.Tensor, table_row: torch.Tensor, chosen: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The entry rows of each token's chosen blocks, ``table[table_row[t], chosen[t, j]]`` ``[tokens, k]`` int32
-    (``chosen`` best first, then -1; rows past the choice are never read), and how many it chose ``[tokens]``
-    int32: one Triton launch (:mod:`.chosen_rows`), or :func:`.sparse_torch.chosen_entry_rows`."""
-    if uses_triton(chosen):
-        from .chosen_rows import chosen_entry_rows as in_triton
-
-        return in_triton(table, table_row, chosen)
     return sparse_torch.chosen_entry_rows(table, table_row, chosen)
 
 
-def index_top_k_triton(
+def chosen_entries_triton(
     q: torch.Tensor,
     head_weights: torch.Tensor,
     keys: torch.Tensor,
@@ -435,23 +425,26 @@ def index_top_k_triton(
     *,
     scale: float,
     keys_format: RowFormat | None = None,
-) -> torch.Tensor:
-    """:func:`index_top_k` through the Triton scoring kernel, ``INDEX_ROW_TILE`` rows at a time, then
-    the exact top-k of each tile's scores (:func:`.indexer.exact_top_k`: a Triton top-k where one
-    measured faster than ``torch.topk``, benchmarks/NOTES.md)."""
-    from .indexer import exact_top_k, index_scores
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chosen_entries` through the Triton scoring kernel (reading each row's table row where it lies),
+    ``INDEX_ROW_TILE`` rows at a time, then the exact top-k of each tile's scores written as entry rows
+    (:func:`.indexer.top_k_entry_rows`: at a decode step's widths one launch, the counts in it). Two launches a tile,
+    whatever the table's dtype."""
+    from .indexer import index_scores, top_k_entry_rows
 
-    weights, chosen = head_weights.float().contiguous(), []
+    weights, tiles = head_weights.float().contiguous(), []
     for first in range(0, q.shape[0], INDEX_ROW_TILE):
         tile = slice(first, first + INDEX_ROW_TILE)
-        rows_table = table[table_row[tile]].to(torch.int32)
         scores = index_scores(
-            q[tile], weights[tile], keys, lengths[tile], scale=scale, table=rows_table, keys_format=keys_format
-        )
-        chosen.append(exact_top_k(scores, lengths[tile], k).long())
-    if len(chosen) == 1:
-        return chosen[0]  # one tile: no copy
-    return torch.cat(chosen) if chosen else torch.empty(0, k, dtype=torch.int64, device=q.device)
+            q[tile], weights[tile], keys, lengths[tile], scale=scale, table=table, table_row=table_row[tile],
+            keys_format=keys_format,
+        )  # fmt: skip
+        tiles.append(top_k_entry_rows(scores, lengths[tile], k, table, table_row[tile]))
+    if len(tiles) == 1:
+        return tiles[0]  # one tile: no copy
+    if not tiles:
+        return torch.empty(0, k, dtype=torch.int32, device=q.device), torch.empty(0, dtype=torch.int32, device=q.device)
+    return torch.cat([rows for rows, _ in tiles]), torch.cat([counts for _, counts in tiles])
 
 
 def grouped_gated_mlp(

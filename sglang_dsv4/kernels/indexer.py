@@ -18,7 +18,7 @@ import triton.language as tl
 from .fp8_rows import fp8_key_rows
 from .interpreter import INTERPRETED, dot
 from .kv_format import Fp8KeyRows, RowFormat
-from .topk import temporal_top_k, top_k, top_k_reference, whole_row_top_k
+from .topk import temporal_top_k, top_k, top_k_reference, whole_row_top_k, whole_row_top_k_rows
 
 
 def index_scores(
@@ -29,19 +29,21 @@ def index_scores(
     *,
     scale: float,
     table: torch.Tensor | None = None,
+    table_row: torch.Tensor | None = None,
     keys_format: RowFormat | None = None,
 ) -> torch.Tensor:
     """Scores ``[rows, width]`` float32 of each query row against its keys.
 
     ``q`` is ``[rows, heads, dim]``; ``head_weights`` ``[rows, heads]`` float32; ``keys``
     ``[pool_rows, dim]``, or FP8 key rows (bytes) with ``keys_format`` an :class:`~.kv_format.Fp8KeyRows`,
-    dequantized in-register; ``lengths`` ``[rows]`` int32. ``table`` ``[rows, width]`` int32
+    dequantized in-register; ``lengths`` ``[rows]`` int32. ``table`` ``[rows, width]`` int32 or int64
     maps a row's key slot to a pool row (its row stride may be 0: queries of one request
-    share a table); without it slot ``j`` is pool row ``j`` and ``width = pool_rows``.
+    share a table), or with ``table_row`` ``[rows]`` row ``r`` reads ``table[table_row[r]]`` (a forward's
+    requests' rows, read where they lie); without a table slot ``j`` is pool row ``j`` and ``width = pool_rows``.
     """
     rows, heads, dim = q.shape
     fp8 = isinstance(keys_format, Fp8KeyRows)
-    _check_inputs(q, head_weights, keys, lengths, table, keys_format if fp8 else None)
+    _check_inputs(q, head_weights, keys, lengths, table, table_row, keys_format if fp8 else None)
     width = keys.shape[0] if table is None else table.shape[1]
     scores = q.new_empty((rows, width), dtype=torch.float32)
     if rows == 0 or width == 0:
@@ -51,9 +53,11 @@ def index_scores(
     table_arg = lengths if table is None else table
     _index_scores_kernel[grid](
         q, q.stride(0), q.stride(1), head_weights, head_weights.stride(0), keys, keys.stride(0),
-        table_arg, 0 if table is None else table.stride(0), lengths, scores, scores.stride(0), width, scale,
+        table_arg, 0 if table is None else table.stride(0), lengths if table_row is None else table_row,
+        lengths, scores, scores.stride(0), width, scale,
         HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
-        TILES=tiles, HAS_TABLE=table is not None, KEYS_FP8=fp8, SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
+        TILES=tiles, HAS_TABLE=table is not None, TABLE_ROWS=table_row is not None, KEYS_FP8=fp8,
+        SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
         ROW_BYTES=keys_format.row_bytes if fp8 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,
         num_warps=4,
@@ -123,6 +127,20 @@ def exact_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     return top_k_reference(scores, lengths, k)
 
 
+def top_k_entry_rows(
+    scores: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor, table_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`exact_top_k` written as the rows its slots stand for, ``table[table_row[r], j]`` ``[rows, k]`` int32
+    (then -1, or past the choice never read), and how many each row chose ``[rows]`` int32: the whole-row select
+    writes both in its launch (:func:`.topk.whole_row_top_k_rows`); the other top-ks' slots go through
+    :func:`.chosen_rows.chosen_entry_rows`."""
+    if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
+        return whole_row_top_k_rows(scores, lengths, k, table, table_row)
+    from .chosen_rows import chosen_entry_rows
+
+    return chosen_entry_rows(table, table_row, exact_top_k(scores, lengths, k))
+
+
 def select_visible(
     q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int, *, scale: float
 ) -> torch.Tensor:
@@ -144,6 +162,7 @@ def _check_inputs(
     keys: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor | None,
+    table_row: torch.Tensor | None,
     fp8_keys: Fp8KeyRows | None,
 ) -> None:
     rows, heads, dim = q.shape
@@ -162,17 +181,21 @@ def _check_inputs(
         raise ValueError(f"head_weights must be float32 [{rows}, {heads}] with a contiguous last dim")
     if lengths.shape != (rows,) or lengths.dtype != torch.int32:
         raise ValueError(f"lengths must be int32 [{rows}]")
-    if table is not None and (table.dtype != torch.int32 or table.shape[0] != rows or table.stride(1) != 1):
-        raise ValueError(f"table must be int32 [{rows}, width] with a contiguous last dim")
+    if table_row is not None and (table is None or table_row.shape != (rows,)):
+        raise ValueError(f"table_row needs a table and one entry a row [{rows}]")
+    if table is not None:
+        own_rows = table_row is None
+        if table.dtype not in (torch.int32, torch.int64) or table.stride(1) != 1 or own_rows and table.shape[0] != rows:
+            raise ValueError(f"table must be int32 or int64, last dim contiguous, [{rows}, width] without table_row")
 
 
 @triton.jit
 def _index_scores_kernel(
     q_ptr, q_row_stride, q_head_stride, weights_ptr, weights_row_stride, keys_ptr, keys_row_stride,
-    table_ptr, table_row_stride, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
+    table_ptr, table_row_stride, table_row_ptr, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
     HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr,
-    TILES: tl.constexpr, HAS_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+    TILES: tl.constexpr, HAS_TABLE: tl.constexpr, TABLE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -185,11 +208,14 @@ def _index_scores_kernel(
     )
     weights = tl.load(weights_ptr + row * weights_row_stride + heads, mask=head_ok, other=0.0) * scale
     length = tl.load(lengths_ptr + row)
+    table_row = row.to(tl.int64)
+    if TABLE_ROWS:
+        table_row = tl.load(table_row_ptr + row).to(tl.int64)
     for tile in range(TILES):
         slots = (tl.program_id(1) * TILES + tile) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
         visible = slots < length
         if HAS_TABLE:
-            key_rows = tl.load(table_ptr + row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
+            key_rows = tl.load(table_ptr + table_row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
         else:
             key_rows = slots.to(tl.int64)
         if KEYS_FP8:  # the E4M3 values in q's dtype, each key's scale applied to its dot products

@@ -11,8 +11,9 @@ CUDA graph):
    the threshold, with their slots, into a segment of its own and counts them;
 3. per row, a verification and an exact select: when no segment overflowed and at least
    k scores cleared the threshold, a radix select over the kept scores (2-bit digits of
-   their order-preserving integer keys, leading digits they all share skipped) finds the
-   k-th largest exactly; otherwise, rarely, the same select streams over the whole row.
+   their order-preserving integer keys, leading digits they all share skipped, stopping at
+   the first digit whose keys are all taken) finds the cut under the k largest exactly;
+   otherwise, rarely, the same select streams over the whole row.
 
 Either way the result is exactly :func:`torch.topk`'s set (up to which of equal scores
 at the k-th place are taken). Output: ``[rows, k]`` int32 slots, a row's
@@ -59,18 +60,46 @@ def whole_row_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, num_
     select over a tile wider than the row; a decode step's rows (context / 4 scores) fit one
     program, so one launch is all the row needs.
     """
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    _launch_whole_row(scores, lengths, k, out, None, None, None, num_warps)
+    return out
+
+
+def whole_row_top_k_rows(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    table: torch.Tensor,
+    table_row: torch.Tensor,
+    *,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`whole_row_top_k` written as what the slots stand for: row ``r``'s chosen slots ``j`` as
+    ``table[table_row[r], j]`` (``[rows, k]`` int32, then ``-1``), and how many it chose (``[rows]`` int32), in the
+    same launch. ``table`` ``[table rows, >= width]`` (int32 or int64, contiguous last dim), ``table_row``
+    ``[rows]``: for a ratio-4 layer's indexer, the entry rows its attention reads."""
+    if table.stride(1) != 1 or table_row.shape != (scores.shape[0],):
+        raise ValueError(f"table needs a contiguous last dim and table_row [{scores.shape[0]}]")
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
+    _launch_whole_row(scores, lengths, k, out, table, table_row, counts, num_warps)
+    return out, counts
+
+
+def _launch_whole_row(scores, lengths, k, out, table, table_row, counts, num_warps) -> None:
     _check_inputs(scores, lengths, k)
     rows, width = scores.shape
     if width > WHOLE_ROW_MAX_WIDTH:
         raise ValueError(f"rows of {width} scores exceed the whole-row select's {WHOLE_ROW_MAX_WIDTH}")
-    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     if rows:
         block = max(16, triton.next_power_of_2(width))
         _whole_row_kernel[(rows,)](
             scores, scores.stride(0), lengths, out, out.stride(0), k,
-            BLOCK=block, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps or whole_row_warps(block),
+            out if table is None else table, 0 if table is None else table.stride(0),
+            lengths if table_row is None else table_row, lengths if counts is None else counts,
+            BLOCK=block, BLOCK_K=triton.next_power_of_2(k), TABLE=table is not None,
+            num_warps=num_warps or whole_row_warps(block),
         )  # fmt: skip
-    return out
 
 
 def whole_row_warps(block: int) -> int:
@@ -191,50 +220,65 @@ def _unpack_counts(packed):
 
 @triton.jit
 def _choose_digit(c0, c1, c2, c3, rank, prefix, PASS: tl.constexpr):
-    """The digit holding the ``rank``-th largest: the extended prefix, and the rank within that digit."""
+    """The digit holding the ``rank``-th largest: the extended prefix, the rank within that digit, and how many keys
+    hold that digit."""
     at_least_3 = c3
     at_least_2 = c3 + c2
     at_least_1 = at_least_2 + c1
     chosen = tl.where(at_least_3 >= rank, 3, tl.where(at_least_2 >= rank, 2, tl.where(at_least_1 >= rank, 1, 0)))
     above = tl.where(chosen == 3, 0, tl.where(chosen == 2, at_least_3, tl.where(chosen == 1, at_least_2, at_least_1)))
+    holding = tl.where(chosen == 3, c3, tl.where(chosen == 2, c2, tl.where(chosen == 1, c1, c0)))
     if PASS == 0:
         prefix = (chosen - 2) << 30
     else:
         prefix = prefix | (chosen << (30 - 2 * PASS))
-    return prefix, rank - above
+    return prefix, rank - above, holding
 
 
 @triton.jit
 def _kth_largest_key(keys, valid, rank):
-    """The ``rank``-th largest (1-based) of ``keys[valid]`` and how many keys equal to it are among the top ``rank``.
+    """A cut through ``keys[valid]`` under its ``rank`` largest (1-based): ``(key, ties)`` such that those are the keys
+    above ``key`` and the first ``ties`` keys equal to it.
 
     Leading digits that every valid key shares (candidates above a threshold usually
     share their sign and high exponent bits) are taken from the least key without a count.
+    The select stops at the first digit whose keys are all among the ``rank`` largest: all of them, ties
+    included, are taken, as the full select would take them, so the cut is just under the prefix chosen so far
+    (its remaining digits zero: the least key holding it), with no ties. On random scores that digit comes after
+    about ``log4(valid keys)`` counted digits instead of sixteen. A prefix of the least key there is
+    (``-2**31``) does not stop the select: the cut under it would wrap.
     """
     least = tl.min(tl.where(valid, keys, 0x7FFFFFFF), 0)
     most = tl.max(tl.where(valid, keys, -0x7FFFFFFF - 1), 0)
     prefix = tl.zeros((), tl.int32)
+    exhausted = tl.zeros((), tl.int32)
     for p in tl.static_range(16):
-        if (least >> (30 - 2 * p)) == (most >> (30 - 2 * p)):
-            prefix = (least >> (30 - 2 * p)) << (30 - 2 * p)
-        else:
-            c0, c1, c2, c3 = _unpack_counts(_digit_counts(keys, valid, prefix, p))
-            prefix, rank = _choose_digit(c0, c1, c2, c3, rank, prefix, p)
-    return prefix, rank
+        if exhausted == 0:
+            if (least >> (30 - 2 * p)) == (most >> (30 - 2 * p)):
+                prefix = (least >> (30 - 2 * p)) << (30 - 2 * p)
+            else:
+                c0, c1, c2, c3 = _unpack_counts(_digit_counts(keys, valid, prefix, p))
+                prefix, rank, holding = _choose_digit(c0, c1, c2, c3, rank, prefix, p)
+                exhausted = ((rank == holding) & (prefix != -0x7FFFFFFF - 1)).to(tl.int32)
+    return tl.where(exhausted != 0, prefix - 1, prefix), tl.where(exhausted != 0, 0, rank)
 
 
 @triton.jit
 def _write_chosen(out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties):
     """Write the slots of keys above ``key`` and of the first ``ties`` keys equal to it; returns the running counts.
 
-    Above-key slots fill ``out_row[0 : k_eff - ties]``, the tied ones the rest of ``[0, k_eff)``.
+    Above-key slots fill ``out_row[0 : k_eff - ties]``, the tied ones the rest of ``[0, k_eff)`` (no scan for
+    them where there are none to take).
     """
     above = (valid & (keys > key)).to(tl.int32)
     tl.store(out_row + written_above + tl.cumsum(above, 0) - 1, slots, mask=above != 0)
-    tied = (valid & (keys == key)).to(tl.int32)
-    tie_rank = written_ties + tl.cumsum(tied, 0) - 1
-    tl.store(out_row + (k_eff - ties) + tie_rank, slots, mask=(tied != 0) & (tie_rank < ties))
-    return written_above + tl.sum(above, 0), written_ties + tl.sum(tied, 0)
+    written_ties_after = written_ties
+    if ties > 0:
+        tied = (valid & (keys == key)).to(tl.int32)
+        tie_rank = written_ties + tl.cumsum(tied, 0) - 1
+        tl.store(out_row + (k_eff - ties) + tie_rank, slots, mask=(tied != 0) & (tie_rank < ties))
+        written_ties_after = written_ties + tl.sum(tied, 0)
+    return written_above + tl.sum(above, 0), written_ties_after
 
 
 @triton.jit
@@ -401,7 +445,7 @@ def _select_kernel(
                     )  # fmt: skip
                     d0, d1, d2, d3 = _unpack_counts(_digit_counts(keys, valid, key, p))
                     c0, c1, c2, c3 = c0 + d0, c1 + d1, c2 + d2, c3 + d3
-                key, ties = _choose_digit(c0, c1, c2, c3, ties, key, p)
+                key, ties, _holding = _choose_digit(c0, c1, c2, c3, ties, key, p)
             for chunk in range(chunks):
                 keys, slots, valid = _candidates(
                     scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
@@ -414,15 +458,21 @@ def _select_kernel(
 
 @triton.jit
 def _whole_row_kernel(
-    scores_ptr, scores_row_stride, lengths_ptr, out_ptr, out_row_stride, k,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    scores_ptr, scores_row_stride, lengths_ptr, out_ptr, out_row_stride, k, table_ptr, table_stride, table_row_ptr,
+    counts_ptr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
 ):  # fmt: skip
-    """Write one row's top-k slots, the row held in registers (``BLOCK`` places)."""
+    """Write one row's top-k slots, the row held in registers (``BLOCK`` places); with ``TABLE``, the table's
+    values at those slots and how many."""
     row = tl.program_id(0)
     length, k_eff, out_row = _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K)
     slots = tl.arange(0, BLOCK)
     valid = slots < length
     keys = _order_key(tl.load(scores_ptr + row * scores_row_stride + slots, mask=valid, other=0.0))
+    written = slots
+    if TABLE:
+        table_row = tl.load(table_row_ptr + row).to(tl.int64)
+        written = tl.load(table_ptr + table_row * table_stride + slots, mask=valid, other=0).to(tl.int32)
+        tl.store(counts_ptr + row, k_eff)
     if k_eff > 0:
         key, ties = _kth_largest_key(keys, valid, k_eff)
-        _write_chosen(out_row, keys, slots, valid, key, ties, k_eff, tl.zeros((), tl.int32), tl.zeros((), tl.int32))
+        _write_chosen(out_row, keys, written, valid, key, ties, k_eff, tl.zeros((), tl.int32), tl.zeros((), tl.int32))

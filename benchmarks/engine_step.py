@@ -446,7 +446,9 @@ def main() -> None:
 def composed_steps(rows: list[dict]) -> list[dict]:
     """Each model's whole decode step composed from its layer rows, per batch and context: every layer of the
     config (V4-Flash 43, V4-Pro 61) at its kind's layer step, plus one index build. ``ours_us``: the layer steps
-    without their projections (the part this package writes); ``with_projections_us``: the layer steps whole.
+    without their projections timed alone (the part this package writes; the compressors and the indexer run beside
+    the query and KV projections, so this is what our part adds to the step, less than its kernels' own time);
+    ``with_projections_us``: the layer steps whole.
     Sums of separately replayed graphs, not one graph of the whole step."""
     composed = []
     keys = {(r["model"], r["batch"], r["context"], r["kv"]) for r in rows if "error" not in r}

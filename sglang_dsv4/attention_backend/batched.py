@@ -36,6 +36,7 @@ import torch
 from ..config import DeepseekV4Config
 from ..kernels import sparse_torch
 from ..kernels.dispatch import (
+    Beside,
     DecodeJob,
     DecodeWrites,
     chosen_entries,
@@ -705,37 +706,60 @@ def attend(
 ) -> torch.Tensor:
     """Attention of the forward's tokens ``x [tokens, hidden]`` before the output projection:
     ``[tokens, local heads, head_dim]`` for query heads ``heads`` (all by default; a tensor-parallel
-    rank passes its own). Advances the layer's pools in place."""
-    q_residual, q, kv, cos, sin = attention.project(x, index.rope)
-    window_rows, formats = storage.window[layer], storage.formats
+    rank passes its own). Advances the layer's pools in place.
+
+    The compressors and the indexer's choice read only ``x`` and the low-rank query: on CUDA they run beside
+    the query and KV projections and the window's write (:class:`~sglang_dsv4.kernels.dispatch.Beside`), which
+    touch none of what they write; the attention reads both after the join."""
+    cos, sin = index.rope.cos_sin(attention.rotary)
+    q_residual = attention.low_rank_query(x)
+    beside = Beside(x)
+    with beside:
+        compressed = _compressed_selection(attention, layer, x, q_residual, index, storage)
+    q, kv = attention.project_heads(x, q_residual, cos, sin)
+    window = _window_selection(layer, kv, index, storage)
+    beside.join()
+    sink = attention.attn_sink[heads]  # the kernel reads it as float32: no cast launched
+    return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
+
+
+def _window_selection(layer: int, kv: torch.Tensor, index: ForwardIndex, storage: PoolStorage) -> KVSelection:
+    """Write the forward's KV rows into the layer's window pool; what each token reads of the window."""
+    window_rows, entries_format = storage.window[layer], storage.formats.entries
     # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
     # stored rows, which the attention decodes where it reads them.
-    stored = encode_rows(formats.entries, kv)
+    stored = encode_rows(entries_format, kv)
     if index.window.slots is None:
         staged = torch.cat([stored, window_rows[index.window.previous_slots]])
         window_rows.index_copy_(0, index.window.write_slots, stored)
-        window = KVSelection(staged, index.window.indices, index.window.lengths, formats.entries)
-    else:  # a decode forward reads every key where it lies, its own after it is written
-        window_rows.index_copy_(0, index.window.write_slots, stored)
-        window = KVSelection(window_rows, index.window.slots, index.window.lengths, formats.entries)
-    no_entries = index.window.indices[:, :0], torch.zeros_like(index.window.lengths)
-    compressed = KVSelection(window.pool, *no_entries, formats.entries)
-    if attention.compressor is not None:
-        entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
-        reads = index.entries[attention.compressor.ratio]
-        entry_records = _records(storage, (layer, "compressor"))
-        if attention.indexer is None:
-            _advance(attention.compressor, x, index, entries, entry_records)
-            compressed = KVSelection(entries.rows, reads.per_token, reads.visible, entries.row_format)
-        else:
-            keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
-            key_records = _records(storage, (layer, "indexer"))
-            jobs = (attention.compressor, entries, entry_records), (attention.indexer.compressor, keys, key_records)
-            _advance_pair(*jobs, x, index)
-            rows, selected = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
-            compressed = KVSelection(entries.rows, rows, selected, entries.row_format)
-    sink = attention.attn_sink[heads]  # the kernel reads it as float32: no cast launched
-    return sparse_attention(q[:, heads], window, compressed, sink, cos, sin, scale=attention.head_dim**-0.5)
+        return KVSelection(staged, index.window.indices, index.window.lengths, entries_format)
+    # A decode forward reads every key where it lies, its own after it is written.
+    window_rows.index_copy_(0, index.window.write_slots, stored)
+    return KVSelection(window_rows, index.window.slots, index.window.lengths, entries_format)
+
+
+def _compressed_selection(
+    attention: Attention, layer: int, x: torch.Tensor, q_residual: torch.Tensor, index: ForwardIndex,
+    storage: PoolStorage,
+) -> KVSelection:  # fmt: skip
+    """Advance the layer's compressors (and its indexer's); what each token reads of the compressed entries:
+    every complete one (ratio 128), the indexer's choice (ratio 4), none (a window-only layer)."""
+    formats = storage.formats
+    if attention.compressor is None:
+        no_entries = index.window.indices[:, :0], torch.zeros_like(index.window.lengths)
+        return KVSelection(storage.window[layer], *no_entries, formats.entries)
+    entries = _Rows(storage.compressed[(layer, "entries")], formats.entries)
+    reads = index.entries[attention.compressor.ratio]
+    entry_records = _records(storage, (layer, "compressor"))
+    if attention.indexer is None:
+        _advance(attention.compressor, x, index, entries, entry_records)
+        return KVSelection(entries.rows, reads.per_token, reads.visible, entries.row_format)
+    keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
+    key_records = _records(storage, (layer, "indexer"))
+    jobs = (attention.compressor, entries, entry_records), (attention.indexer.compressor, keys, key_records)
+    _advance_pair(*jobs, x, index)
+    rows, selected = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
+    return KVSelection(entries.rows, rows, selected, entries.row_format)
 
 
 def select_entries(

@@ -11,6 +11,7 @@ hosts never need them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +26,46 @@ from .selection import KVSelection
 def uses_triton(tensor: torch.Tensor) -> bool:
     """Whether operations on ``tensor`` run the Triton kernels: on a CUDA device."""
     return tensor.device.type == "cuda"
+
+
+class Beside:
+    """Work run beside the current stream. On CUDA (``like``'s device), what is enqueued inside ``with beside:``
+    goes to a side stream of the device that first waits for everything enqueued on the current stream so far,
+    and the current stream waits for it at :meth:`join`: what the current stream enqueues in between runs
+    alongside (in a CUDA graph's capture the two become parallel branches). Elsewhere the work runs in order and
+    :meth:`join` does nothing.
+
+    No ``record_stream`` is needed where tensors cross only at the fork (the side reads what the current stream made
+    before it) and at the join (the current stream reads what the side made), and are dropped after the join: a
+    block freed then is reused by either stream only after work that waits for the join (the current stream's in
+    its order, the side stream's behind its next fork)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self._streams = None
+        if uses_triton(like):
+            current, side = torch.cuda.current_stream(like.device), _side_stream(like.device.index)
+            side.wait_stream(current)
+            self._streams = current, side
+            self._context = torch.cuda.stream(side)
+
+    def __enter__(self) -> Beside:
+        if self._streams is not None:
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._streams is not None:
+            self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self._streams is not None:
+            current, side = self._streams
+            current.wait_stream(side)
+
+
+@functools.cache
+def _side_stream(device: int | None) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 # --- the network's modules ----------------------------------------------------------------------

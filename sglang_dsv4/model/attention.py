@@ -101,13 +101,24 @@ class Attention(nn.Module):
         ``q_residual`` is the low-rank query the indexer reads; ``cos, sin`` are this layer's flavour of ``rope``.
         """
         cos, sin = rope.cos_sin(self.rotary)
-        q_residual = rms_norm(self.q_norm, self.wq_a(x))
+        q_residual = self.low_rank_query(x)
+        q, kv = self.project_heads(x, q_residual, cos, sin)
+        return q_residual, q, kv, cos, sin
+
+    def low_rank_query(self, x: torch.Tensor) -> torch.Tensor:
+        """``q_residual [L, q_lora_rank]``: the normalised low-rank query that the attention's query projection and
+        the indexer's read."""
+        return rms_norm(self.q_norm, self.wq_a(x))
+
+    def project_heads(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, kv)`` of :meth:`project`, from the low-rank query and this layer's flavour of the rope tables."""
         q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         q = normalize_rope(q, cos, sin, self._normalize_rope_queries, eps=self.eps)
         kv = self.wkv(x)[:, None]
         kv = normalize_rope(kv, cos, sin, self._normalize_rope_kv, eps=self.kv_norm.eps, weight=self.kv_norm.weight)
-        kv = kv[:, 0]
-        return q_residual, q, kv, cos, sin
+        return q, kv[:, 0]
 
     def _normalize_rope_queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The queries' norm and rope in torch (a torch path of :func:`.dispatch.normalize_rope`)."""

@@ -4,9 +4,10 @@ Each query row scores every indexer key it can see:
 ``score[j] = sum_h w_h * ReLU(q_h . k_j) * scale`` with per-row head weights ``w``
 (``weights_proj(x) / sqrt(index_n_heads)``) and ``scale = index_head_dim ** -0.5``;
 the dot products accumulate in float32 (:meth:`sglang_dsv4.model.indexer.Indexer.scores`).
-Keys are rows of a pool, found through a per-row table of fixed width (or, without a
-table, the pool's rows in order); a row's keys past its length score ``-inf``. The
-top-k over the scores is :mod:`.topk`.
+Keys are rows of a pool, found through a table of fixed width (a row of its own per query
+row, or its request's row; without a table, the pool's rows in order); a row's keys past its
+length score ``-inf``. The top-k over the scores is :mod:`.topk`; in the served step it writes
+the chosen keys' table entries (:func:`top_k_entry_rows`).
 """
 
 from __future__ import annotations

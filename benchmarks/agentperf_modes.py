@@ -3,7 +3,7 @@
 Starts ``sglang.launch_server`` on the tiny checkpoint, or uses ``--url``, and runs ``dsv4 agentperf compare``
 on the 84 recorded sessions at CPU scale with four configurations of that one server: ``dsv4_prefix_hits``
 exact | aligned x ``dsv4_window_policy`` per_request | all_committed, switched through ``/set_internal_state``
-(and the cache flushed) before every trial. The JSON, table and plot go to ``benchmarks/agentperf/modes/``.
+(and the cache flushed) before every trial. The JSON, table and plot go to ``benchmarks/results/agentperf/modes/``.
 
 The server (``SERVER_ARGS``) has a 16,384-token pool, so agents' histories can stay cached through their
 tool waits, and reports cache hits in each reply's usage; it runs one torch thread (``ONE_TORCH_THREAD``).
@@ -26,7 +26,7 @@ from sglang_dsv4.tiny import build_checkpoint
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
-OUT = REPOSITORY / "benchmarks" / "agentperf" / "modes"
+OUT = REPOSITORY / "benchmarks" / "results" / "agentperf" / "modes"
 SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "16384", "--enable-cache-report")
 MODES = [(hits, policy) for hits in ("exact", "aligned") for policy in ("per_request", "all_committed")]
 

@@ -8,7 +8,7 @@ the sessions' working set, one with the host tier (``--enable-hierarchical-cache
 --hicache-ratio 8``), one without. Both servers of a comparison are started the way a user starts them,
 then ``dsv4 agentperf compare`` runs on the 84 recorded sessions at CPU scale with the two as its
 configurations, trials interleaved (the first server's figures are the ratios' base). The JSON, table and plot
-go to ``benchmarks/agentperf/<comparison>/``.
+go to ``benchmarks/results/agentperf/<comparison>/``.
 
 Every server has a 16,384-token pool (per rank; 6,144 in the host-tier comparison), reports cache hits in each
 reply's usage, runs one torch thread (``ONE_TORCH_THREAD``) and sleeps when idle (``--sleep-on-idle``, which
@@ -35,7 +35,7 @@ from sglang_dsv4.tiny import shipped_checkpoint
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
-OUT = REPOSITORY / "benchmarks" / "agentperf"
+OUT = REPOSITORY / "benchmarks" / "results" / "agentperf"
 SERVER_ARGS = ("--dtype", "float32", "--enable-cache-report")
 POOL_TOKENS = 16384
 DP_ARGS = ("--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")

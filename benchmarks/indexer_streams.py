@@ -1,6 +1,6 @@
 """The tiny model's lightning indexer during greedy decode: how much its top-k changes from step to step.
 
-    python benchmarks/indexer_streams.py [--context 8192] [--steps 64] [--out benchmarks/indexer_streams.json]
+    python benchmarks/indexer_streams.py [--context 8192] [--steps 64] [--out benchmarks/results/indexer_streams.json]
 
 The prompt is real text a coding agent reads (this repository's own ``sglang_dsv4`` sources, in path order,
 through the shipped tokenizer; the model never trained on them); the model then decodes greedily. At every
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="+", default=[TINY_CONFIG["index_topk"], 64, 512])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "indexer_streams.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "indexer_streams.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompt = source_prompt(args.context)

@@ -9,7 +9,7 @@ spread over its first ``--max-prompt`` tokens. From each prompt the target decod
 with the MTP layer drafting k = 1..4 tokens a step and the target verifying
 (:func:`sglang_dsv4.model.speculative.speculative_decode`); every run's tokens are checked equal to plain greedy
 decoding's. Prints, per k, the mean accepted length (tokens per verify step: accepted drafts + 1), and writes
-them to ``mtp_acceptance.json``.
+them to ``benchmarks/results/mtp_acceptance.json``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=1)
     parser.add_argument("--max-prompt", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "mtp_acceptance.json")
+    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "results" / "mtp_acceptance.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()

@@ -13,7 +13,7 @@ Traces, scaled for a CPU (said in the output): the recorded sessions of
 ``../shared/data/agentic_trajectories.jsonl.gz`` and the synthetic AgentPerf shape, both
 through ``sglang_dsv4.agentperf``'s loaders.
 
-    python benchmarks/prefix_reuse.py [--sessions 6] [--concurrency 3] [--out benchmarks/prefix_reuse.md]
+    python benchmarks/prefix_reuse.py [--sessions 6] [--concurrency 3] [--out benchmarks/results/prefix_reuse.md]
 
 ``--full-length`` measures the checkpoint retention rule (issue 29) instead, on the recorded sessions
 with the most turns, every message whole (:func:`full_length`): window bytes kept under per_request
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--turns", type=int, default=None, help="turns replayed per session (its first ones)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_reuse.md"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prefix_reuse.md")
     parser.add_argument("--full-length", action="store_true", help="the retention measurements (see full_length)")
     parser.add_argument("--max-history", type=int, default=60_000, help="full length: tokens a history stays under")
     parser.add_argument("--full-tokens", type=int, default=200_000, help="full length: the token pool")

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     sessions = REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
     parser.add_argument("--sessions", type=Path, default=sessions)
-    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "speculative_decode.json")
+    parser.add_argument("--record", type=Path, default=REPO / "benchmarks" / "results" / "speculative_decode.json")
     args = parser.parse_args(argv)
     checkpoint = shipped_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

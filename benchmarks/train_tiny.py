@@ -413,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=Path, default=sessions)
     parser.add_argument("--python-mb", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=SHIPPED)
-    parser.add_argument("--record", type=Path, help="default: benchmarks/train_tiny.json (--mtp: train_tiny_mtp.json)")
-    parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "train_tiny.png")
+    parser.add_argument("--record", type=Path, help="default: benchmarks/results/train_tiny.json (--mtp: train_tiny_mtp.json)")
+    parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "results" / "train_tiny.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--batch", type=int, default=4)
@@ -426,12 +426,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.mtp:
         record = train_mtp(args)
-        (args.record or REPO / "benchmarks" / "train_tiny_mtp.json").write_text(json.dumps(record, indent=1) + "\n")
+        (args.record or REPO / "benchmarks" / "results" / "train_tiny_mtp.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"MTP layer: held-out loss {record['held_out_loss']:.3f}, top-1 {record['held_out_top1']:.3f}")
         print(f"wrote {args.out}")
         return
     record = train(args)
-    (args.record or REPO / "benchmarks" / "train_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.record or REPO / "benchmarks" / "results" / "train_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.plot)
     random_ppl = record["random_checkpoint_held_out_ppl"]
     print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {random_ppl:.4g})")

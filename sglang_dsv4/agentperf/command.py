@@ -82,7 +82,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--history", choices=["recorded", "served"], default="recorded", help="replies appended to each history"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/agentperf"), help="results folder")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/agentperf"), help="results folder")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -30,7 +30,7 @@ from .platform import on_torch_cpu_platform
 from .served_config import is_v4_checkpoint, served_config
 
 ALGORITHMS = ("EAGLE", "NEXTN")
-# The launch flags of a served chain of three drafts, as the README gives them (the tests and benchmarks use them).
+# The launch flags of a served chain of three drafts, as docs/serving.md gives them (the tests and benchmarks use them).
 SPECULATION = (
     "--speculative-algorithm", "EAGLE",
     "--speculative-num-steps", "3",

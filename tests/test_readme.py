@@ -55,8 +55,6 @@ def test_relative_links_lead_to_files_and_headings_that_exist():
             resolved = (page.parent / path).resolve() if path else page
             if not resolved.exists():
                 broken.append(f"{page.name}: {target}")
-            elif anchor and resolved.suffix == ".md" and resolved.parent != ROOT / "benchmarks":
-                # RESULTS.md's anchors follow its sections, which move with each run; the pages here do not.
-                if anchor not in heading_anchors(resolved):
+            elif anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved):
                     broken.append(f"{page.name}: {target}")
     assert not broken, broken

@@ -22,7 +22,7 @@ lets through, and what each did to a server on this machine before these checks:
 - ``sampling_params: []``: an ``IndexError`` while the request is normalized, answered as a 500;
 - input embeddings on DeepSeek-V4, whose first MoE layers route by token id (hash routing).
 
-The bounds are this module's constants, documented in the README.
+The bounds are this module's constants, documented in docs/serving.md.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def earliest_top_k_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, scores.shape[-1])
     if k == 0:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=scores.device)
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    # torch.topk, not Tensor.topk: the tests' conftest.earliest_ties_in_top_k makes Tensor.topk this function
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     if kth.isnan().any():
         return scores.argsort(dim=-1, descending=True, stable=True)[..., :k].sort(dim=-1).values
     above, tied = scores > kth, scores == kth

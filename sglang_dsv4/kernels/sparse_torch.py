@@ -12,6 +12,8 @@ Of keys with equal scores the top-k takes the earliest (:func:`top_k_earliest_ti
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from .kv_format import RowFormat
@@ -104,9 +106,43 @@ def top_k_earliest_ties(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     ``torch.topk`` takes some of the equal scores at the k-th place, which ones depending on the row's width:
     the indexer's scores tie exactly wherever ReLU zeroes every head's dot, and a request's choice would then
     depend on the longest request in its batch (the width of the block table).
+
+    Rows wider than ``2k``: :func:`earliest_top_k_slots`, then the ``k`` ordered; narrower ones, where ordering
+    the ``k`` costs about a sort of the whole row, one stable sort.
     """
-    slots = scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
-    return scores.gather(-1, slots), slots
+    if scores.shape[-1] <= 2 * k:
+        slots = scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
+        return scores.gather(-1, slots), slots
+    slots = earliest_top_k_slots(scores, k)
+    return _best_first(scores.gather(-1, slots), slots)
+
+
+def earliest_top_k_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The slots of the ``k`` largest of each row of ``scores``, the earliest of equal scores, in slot order:
+    with ``v`` the row's k-th largest score, ``{j : s_j > v}`` and the first ``k - |{j : s_j > v}|`` of
+    ``{j : s_j = v}``; ``min(k, width)`` int64 slots a row.
+
+    One ``torch.topk`` (any of the ties) finds ``v``; the slots are then chosen by comparisons and a running
+    count of the ties, no sort. NaN, which ``torch.topk`` and ``torch.sort`` rank above every number (never from
+    finite keys), makes ``v`` NaN: such rows take the stable sort instead.
+    """
+    k = min(k, scores.shape[-1])
+    if k == 0:
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=scores.device)
+    # torch.topk, not Tensor.topk: the tests' conftest.earliest_ties_in_top_k makes Tensor.topk this function
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    if kth.isnan().any():
+        return scores.argsort(dim=-1, descending=True, stable=True)[..., :k].sort(dim=-1).values
+    above, tied = scores > kth, scores == kth
+    taken = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    return taken.nonzero()[:, -1].view(*scores.shape[:-1], k)
+
+
+def _best_first(values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, slots)`` reordered by descending value; ``slots`` ascending, so equal values keep the earliest
+    first."""
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(-1, order), slots.gather(-1, order)
 
 
 def streamed_top_k(
@@ -127,39 +163,82 @@ def streamed_top_k(
     Row ``r`` scores keys ``keys[table[table_row[r], j]]`` for ``j < lengths[r]`` as
     :func:`.indexer.index_scores_reference` does (``sum_h w_h * ReLU(q_h . k) * scale``);
     queries of one request share one table row. Keys are scored ``KEY_TILE`` at a time and
-    merged into a running top-k, so a row's scores are never all held at once; of equal scores the
-    earliest slots are taken (:func:`top_k_earliest_ties`; the running top-k holds earlier slots than
-    each new tile), whatever the table's width. ``keys_format``: how ``keys`` stores its rows (None:
-    the rows are the keys).
+    merged into a running top-k held in slot order (:func:`merge_top_k`), so a row's scores are never all held at
+    once; of equal scores the earliest slots are taken (:func:`top_k_earliest_ties`), whatever the table's width.
+    ``keys_format``: how ``keys`` stores its rows (None: the rows are the keys).
     ``tile_owners`` (host values, one per ``ROW_TILE`` rows) names the table row all rows of a
     tile share, or -1: a shared tile gathers its keys once instead of once per row.
     """
     rows = q.shape[0]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     chosen = torch.full((rows, k), -1, dtype=torch.int64, device=q.device)
+    if table.shape[1] == 0:
+        return chosen
     for first in range(0, rows, ROW_TILE):
         tile = slice(first, first + ROW_TILE)
-        tile_q, tile_weights = q[tile].to(compute), head_weights[tile].to(compute)
-        best = torch.empty(tile_q.shape[0], 0, dtype=compute, device=q.device)
-        best_slots = torch.empty(tile_q.shape[0], 0, dtype=torch.int64, device=q.device)
-        for key_first in range(0, table.shape[1], KEY_TILE):
-            slots = torch.arange(key_first, min(key_first + KEY_TILE, table.shape[1]), device=q.device)
-            owner = -1 if tile_owners is None else tile_owners[first // ROW_TILE]
-            if owner >= 0:
-                shared_keys = read_rows(keys, table[owner, slots], keys_format, compute)  # [tile, dim]
-                dots = torch.einsum("rhd,kd->rhk", tile_q, shared_keys).relu() * scale
-            else:
-                tile_keys = read_rows(keys, table[table_row[tile, None], slots[None, :]], keys_format, compute)
-                dots = torch.einsum("rhd,rkd->rhk", tile_q, tile_keys).relu() * scale
-            scores = torch.einsum("rhk,rh->rk", dots, tile_weights)
-            scores = scores.masked_fill(slots[None, :] >= lengths[tile, None], float("-inf"))
-            best = torch.cat([best, scores], dim=1)
-            best_slots = torch.cat([best_slots, slots.expand(best.shape[0], -1)], dim=1)
-            best, order = top_k_earliest_ties(best, k)
-            best_slots = best_slots.gather(1, order)
-        found = best_slots.shape[1]
-        chosen[tile, :found] = torch.where(best > float("-inf"), best_slots, -1)
+        owner = -1 if tile_owners is None else tile_owners[first // ROW_TILE]
+        tiles = tile_scores(q[tile], head_weights[tile], keys, table, table_row[tile], lengths[tile],
+                            scale=scale, owner=owner, keys_format=keys_format)  # fmt: skip
+        found = top_k_of_tiles(tiles, k)
+        chosen[tile, : found.shape[1]] = found
     return chosen
+
+
+def top_k_of_tiles(tiles: Iterable[tuple[torch.Tensor, torch.Tensor]], k: int) -> torch.Tensor:
+    """The ``k`` best slots of rows scored a tile at a time (``(slots [tile], scores [rows, tile])``, slots ascending
+    from tile to tile; at least one), ``[rows, <= k]`` int64, best first, the earliest of equal scores first, ``-1``
+    for a ``-inf`` score: the running top-k of :func:`merge_top_k`, ordered once at the end
+    (:func:`top_k_earliest_ties`)."""
+    tiles = iter(tiles)
+    first = next(tiles, None)
+    if first is None:
+        raise ValueError("top_k_of_tiles needs at least one tile")
+    slots, best = first  # the first tile stands for the running top-k until a second comes
+    best_slots = slots.expand(best.shape[0], -1)
+    for slots, scores in tiles:
+        best, best_slots = merge_top_k(best, best_slots, scores, slots, k)
+    best, order = top_k_earliest_ties(best, k)
+    return torch.where(best > float("-inf"), best_slots.gather(1, order), -1)
+
+
+def tile_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    table: torch.Tensor,
+    table_row: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    owner: int = -1,
+    keys_format: RowFormat | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A tile of query rows' scores, ``KEY_TILE`` slots at a time: ``(slots [tile], scores [rows, tile])``,
+    ``s_rj = sum_h w_rh * ReLU(q_rh . keys[table[table_row[r], j]]) * scale``, ``-inf`` where ``j >= lengths[r]``.
+    ``owner`` >= 0: every row reads table row ``owner`` (its keys gathered once)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, head_weights = q.to(compute), head_weights.to(compute)
+    for key_first in range(0, table.shape[1], KEY_TILE):
+        slots = torch.arange(key_first, min(key_first + KEY_TILE, table.shape[1]), device=q.device)
+        if owner >= 0:
+            shared_keys = read_rows(keys, table[owner, slots], keys_format, compute)  # [tile, dim]
+            dots = torch.einsum("rhd,kd->rhk", q, shared_keys).relu() * scale
+        else:
+            tile_keys = read_rows(keys, table[table_row[:, None], slots[None, :]], keys_format, compute)
+            dots = torch.einsum("rhd,rkd->rhk", q, tile_keys).relu() * scale
+        scores = torch.einsum("rhk,rh->rk", dots, head_weights)
+        yield slots, scores.masked_fill(slots[None, :] >= lengths[:, None], float("-inf"))
+
+
+def merge_top_k(
+    best: torch.Tensor, best_slots: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top-k ``(best, best_slots)`` (``[rows, n]``, in slot order, every slot before ``slots``) with a
+    new tile's ``scores [rows, tile]`` at ``slots [tile]`` merged in: the ``min(k, n + tile)`` of
+    :func:`earliest_top_k_slots` over both, in slot order, so that the earliest of equal scores stay."""
+    merged = torch.cat([best, scores], dim=1)
+    merged_slots = torch.cat([best_slots, slots.expand(scores.shape[0], -1)], dim=1)
+    kept = earliest_top_k_slots(merged, k)
+    return merged.gather(1, kept), merged_slots.gather(1, kept)
 
 
 def sparse_decode_attention_reference(

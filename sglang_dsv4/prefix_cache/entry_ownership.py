@@ -22,23 +22,24 @@ class EntryOwnership:
         slots = storage.tables.num_tokens + 1
         self.of_slot = {r: torch.zeros(slots, dtype=SLOT_ENTRY_DTYPE) for r in storage.entry_rows}
 
-    def commit(self, row: int, slots: torch.Tensor, first: int, last: int) -> None:
-        """The tree now holds token slots ``slots[first:last]`` of row ``row``: each block ending
-        there keeps its entry row for as long as the slot lives."""
+    def commit(self, row: int, slots: torch.Tensor, first: int, last: int, offset: int = 0) -> None:
+        """The tree now holds the token slots of row ``row``'s positions ``first .. last - 1`` (``slots``, from
+        position ``offset`` on): each block ending there keeps its entry row for as long as the slot lives."""
         tables, entry_rows = self.storage.tables, self.storage.entry_rows
         for ratio, ends in self._block_ends(first, last).items():
             rows = tables.entry_table[ratio][row, (ends + 1) // ratio - 1]
             entry_rows[ratio].share(rows)
-            self.of_slot[ratio][slots[ends].long()] = rows
+            self.of_slot[ratio][slots[ends - offset].long()] = rows
 
-    def adopt(self, row: int, slots: torch.Tensor, first: int, last: int) -> None:
-        """Row ``row`` computed tokens ``first .. last - 1`` again while the tree already held them
-        (at ``slots``): its entries of blocks ending there become the tree's, its own go back."""
+    def adopt(self, row: int, slots: torch.Tensor, first: int, last: int, offset: int = 0) -> None:
+        """Row ``row`` computed its positions ``first .. last - 1`` again while the tree already held them (at
+        ``slots``, from position ``offset`` on): its entries of blocks ending there become the tree's, its own
+        go back."""
         tables, entry_rows = self.storage.tables, self.storage.entry_rows
         for ratio, ends in self._block_ends(first, last).items():
             blocks = (ends + 1) // ratio - 1
             ours = tables.entry_table[ratio][row, blocks]
-            theirs = self.of_slot[ratio][slots[ends].long()]
+            theirs = self.of_slot[ratio][slots[ends - offset].long()]
             entry_rows[ratio].share(theirs)
             entry_rows[ratio].release(ours)
             tables.write_entries(ratio, row, blocks, theirs)

@@ -56,11 +56,13 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
+    IncLockRefResult,
     InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
     MatchResult,
+    TreeLock,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
@@ -215,25 +217,51 @@ class V4RadixCache(RadixCache):
         )
 
     def checkpoint(self, req, *, up_to: int) -> None:
-        """Insert the request's tokens up to ``up_to`` and attach its checkpoints to the tree."""
+        """Insert the request's tokens up to ``up_to`` and attach its checkpoints to the tree.
+
+        The walk starts where the request's row already reads the tree (``req.last_node``, at
+        ``cache_protected_len``: its match, or its previous checkpoint), so a turn looks at its new tokens
+        only, whatever its history; the nodes above are refreshed as SGLang's insert from the root would
+        (:meth:`_refresh_path`)."""
         if self.disable:
             return
         row, protected = req.kv.req_pool_idx, req.kv.cache_protected_len
-        radix_key, _, existing = self._insert_cache(req, req.full_untruncated_fill_ids[:up_to], split_prompt=True)
-        _, node = self._match_prefix_helper(self.root_node, radix_key)
-        tree_slots = self.path_device_indices(node)
-        # The row now reads the tree's slots; its own copies of them were freed by the insert,
-        # and so go its entries of blocks the tree already had.
-        self.req_to_token_pool.write((row, slice(protected, len(tree_slots))), tree_slots[protected:])
-        self.manager.entry_ownership.adopt(row, tree_slots, protected, max(existing, protected))
-        self.manager.entry_ownership.commit(row, tree_slots, max(existing, protected), len(tree_slots))
+        start = req.last_node if req.last_node is not None else self.root_node
+        if self._end(start) != protected:
+            start, protected_in_tree = self.root_node, 0
+        else:
+            protected_in_tree = protected
+        key = RadixKey(req.full_untruncated_fill_ids, req.extra_key, cache_salt=req.cache_salt, limit=up_to)
+        row_slots = self.req_to_token_pool.req_to_token[row, protected_in_tree:up_to].to(torch.int64)
+        new_key = key[protected_in_tree:]
+        if self.host is not None:  # what the request computed again that is on the host comes back (insert)
+            self._load_path_back(start, new_key)
+        priority, inserted = req.priority or 0, req.kv.cache_inserted_len
+        cached, node = self._insert_helper(start, new_key, row_slots, priority, max(0, inserted - protected_in_tree))
+        existing = protected_in_tree + cached
+        prompt = len(req.origin_input_ids)
+        if 0 < prompt < up_to:  # eviction may drop the output without the prompt (SGLang's split at the prompt)
+            self._node_ending_at(node, prompt)
+        else:
+            prompt = 0
+        self._refresh_path(node, start, priority, prompt_end=prompt, hits_past=inserted)
+        req.kv.cache_inserted_len = max(inserted, up_to)
+        # The row's own copies of tokens the tree had already go back.
+        duplicates = self.req_to_token_pool.req_to_token[row, protected:existing]
+        self.token_to_kv_pool_allocator.free_segment(duplicates, start_pos=protected)
+        tree_slots = self._slots_between(start, node)
+        # The row now reads the tree's slots, and so go its entries of blocks the tree already had.
+        new = tree_slots[protected - protected_in_tree :]
+        self.req_to_token_pool.write((row, slice(protected, up_to)), new)
+        ownership = self.manager.entry_ownership
+        ownership.adopt(row, tree_slots, protected, max(existing, protected), offset=protected_in_tree)
+        ownership.commit(row, tree_slots, max(existing, protected), up_to, offset=protected_in_tree)
         self._write_through(node)
-        req.kv.cache_protected_len = len(tree_slots)
-        self.unlock(req.lock)
-        req.lock = self.lock(node)
+        req.kv.cache_protected_len = up_to
+        req.lock = self._lock_deeper(req.lock, node)
         req.last_node = node
 
-        made = [self._attach(radix_key, snapshot, req.rid) for snapshot in self.manager.checkpoints.take(row, up_to)]
+        made = [self._attach(node, snapshot, req.rid) for snapshot in self.manager.checkpoints.take(row, up_to)]
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
         # all_committed, also keeps every window slot the request held (in aligned mode, unless at
         # a page boundary, that is all it does: the tree holds them until evicted).
@@ -241,7 +269,7 @@ class V4RadixCache(RadixCache):
         if self.prefix_hits.checkpoints_at_calls or commit_all:
             live = self.manager.make_checkpoint(row, up_to, commit_all)
             if live is not None:
-                made.append(self._attach(radix_key, live, req.rid))
+                made.append(self._attach(node, live, req.rid))
         self._report_made(req, [node for node in made if node is not None])
 
     def _report_made(self, req, nodes: list[TreeNode]) -> None:
@@ -478,13 +506,14 @@ class V4RadixCache(RadixCache):
         are loaded back first (:meth:`_load_path_back`), so that the request's copies of them are duplicates
         as of any cached prefix: a cached block's entry never changes while it is cached, on either tier."""
         if self.host is not None and not self.disable:
-            self._load_path_back(params.key)
+            self._load_path_back(self.root_node, params.key)
         return super().insert(params)
 
-    def _load_path_back(self, key: RadixKey) -> None:
-        """Load the host-only nodes on ``key``'s path back (their entries; their checkpoints go: the request
-        makes its own); if that cannot be had, the host-only part of the path goes, with all below it."""
-        _, node = self._match_prefix_helper(self.root_node, key)
+    def _load_path_back(self, start: TreeNode, key: RadixKey) -> None:
+        """Load the host-only nodes on ``key``'s path below ``start`` back (their entries; their checkpoints go:
+        the request makes its own); if that cannot be had, the host-only part of the path goes, with all below
+        it."""
+        _, node = self._match_prefix_helper(start, key)
         path = []
         while node.evicted:
             path.append(node)
@@ -613,18 +642,135 @@ class V4RadixCache(RadixCache):
             return self.host.checkpoints.get(node)
         return self.checkpoints.get(node)
 
-    def _depth(self, node: TreeNode) -> int:
-        length = 0
-        while node is not self.root_node:
-            length += len(node.key)
+    def _end(self, node: TreeNode) -> int:
+        """The position ``node``'s key ends at (its depth in tokens). Fixed for the node's life: a split puts the
+        new node above the one it splits, ending where the new node's key does; so it is worked out once."""
+        unknown = []
+        while getattr(node, "end", None) is None and node is not self.root_node:
+            unknown.append(node)
             node = node.parent
-        return length
+        end = getattr(node, "end", 0)
+        for node in reversed(unknown):
+            end += len(node.key)
+            node.end = end
+        return end
 
-    def _attach(self, radix_key: RadixKey, checkpoint: Checkpoint, rid: str) -> TreeNode | None:
-        """Hang ``checkpoint``, made for request ``rid``, on the node ending at its position (splitting one if
-        needed): that node, or None when the position was covered already (or is not in the tree)."""
-        _, node = self._match_prefix_helper(self.root_node, radix_key[: checkpoint.position])
-        if node is self.root_node or self._depth(node) != checkpoint.position or node in self.checkpoints:
+    _depth = _end
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
+        """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), reading ``key`` at an
+        offset: SGLang's slices the key's rest at every node, which copies O(history) tokens a node."""
+        access_time = time.monotonic()
+        node.last_access_time = access_time
+        values, offset = [], 0
+        while offset < len(key):
+            child = node.children.get(key.child_key_at(offset))
+            if child is None:
+                break
+            child.last_access_time = access_time
+            matched = child.key.match_at(key, offset)
+            if matched < len(child.key):
+                node = self._split_node(child.key, child, matched)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, offset = child, offset + matched
+        return values, node
+
+    def _insert_helper(
+        self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0, inserted_len: int = 0
+    ) -> tuple[int, TreeNode]:
+        """SGLang's insert below ``node`` (access times, priorities and hit counts as its own), reading ``key`` at
+        an offset instead of slicing it at every node: the tokens of ``key`` already below ``node`` and the node
+        that ends ``key``."""
+        access_time = time.monotonic()
+        node.last_access_time = access_time
+        node.priority = max(node.priority, priority)
+        offset = 0
+        while offset < len(key):
+            child = node.children.get(key.child_key_at(offset))
+            if child is None:
+                break
+            child.last_access_time = access_time
+            matched = child.key.match_at(key, offset)
+            if matched < len(child.key):
+                child = self._split_node(child.key, child, matched)
+            child.priority = max(child.priority, priority)
+            node, offset = child, offset + matched
+            if offset > inserted_len:  # nodes this request inserted before were counted then
+                self._inc_hit_count(node)
+        if offset < len(key):
+            new_node = TreeNode(priority=priority)
+            new_node.parent, new_node.key, new_node.value = node, key[offset:], value[offset:].clone()
+            if len(key) > inserted_len:
+                self._inc_hit_count(new_node)
+            node.children[key.child_key_at(offset)] = new_node
+            self.evictable_size_ += len(new_node.key)
+            self._update_leaf_status(node)
+            self._update_leaf_status(new_node)
+            self.kv_events.record_store(new_node)
+            node = new_node
+        return offset, node
+
+    def _refresh_path(self, node: TreeNode, start: TreeNode, priority: int, prompt_end: int, hits_past: int) -> None:
+        """What SGLang's inserts from the root (the request's tokens, then its prompt) do to the nodes from ``node``
+        up, where :meth:`_insert_helper` started at ``start``: access time now, priority at least ``priority`` (one
+        more up to ``prompt_end``), a hit on each node from ``start`` up that ends past ``hits_past``."""
+        access_time, below_start = time.monotonic(), node is not start
+        while node is not self.root_node:
+            node.last_access_time = access_time
+            end = self._end(node)
+            node.priority = max(node.priority, priority + 1 if end <= prompt_end else priority)
+            below_start = below_start and node is not start
+            if not below_start and end > hits_past:
+                self._inc_hit_count(node)
+            node = node.parent
+
+    def _lock_deeper(self, lock: TreeLock | None, node: TreeNode) -> TreeLock:
+        """A request's ``lock`` moved down to ``node`` on its path: as SGLang's lock on ``node`` and unlock of
+        ``lock``, walking only the nodes between (a count above them goes up one and down one)."""
+        if lock is None or lock.node is node:
+            return lock if lock is not None else self.lock(node)
+        delta, above = 0, node
+        while above is not lock.node and above is not self.root_node:
+            above = above.parent
+        if above is not lock.node:  # not on the path below it: SGLang's own
+            self.unlock(lock)
+            return self.lock(node)
+        below = node
+        while below is not lock.node:
+            if below.lock_ref == 0:
+                self.evictable_size_ -= len(below.key)
+                self.protected_size_ += len(below.key)
+                delta -= len(below.key)
+            below.lock_ref += 1
+            self._update_leaf_status(below)
+            below = below.parent
+        return TreeLock(node, IncLockRefResult(delta=delta).to_dec_params())
+
+    def _node_ending_at(self, node: TreeNode, position: int) -> TreeNode:
+        """The node on ``node``'s path (``node`` ending at or past ``position``) that ends at ``position``, splitting
+        the one it lies inside."""
+        while node is not self.root_node and self._end(node.parent) >= position:
+            node = node.parent
+        if self._end(node) == position:
+            return node
+        return self._split_node(node.key, node, position - self._end(node.parent))
+
+    def _slots_between(self, top: TreeNode, node: TreeNode) -> torch.Tensor:
+        """The token slots of the nodes below ``top`` down to ``node`` (on its path), in order."""
+        values = []
+        while node is not top:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else self._empty_device_indices
+
+    def _attach(self, node: TreeNode, checkpoint: Checkpoint, rid: str) -> TreeNode | None:
+        """Hang ``checkpoint``, made for request ``rid``, on the node ending at its position on ``node``'s path
+        (splitting one if needed): that node, or None when the position was covered already (or is 0)."""
+        if checkpoint.position > 0:
+            node = self._node_ending_at(node, checkpoint.position)
+        if checkpoint.position == 0 or node in self.checkpoints:
             self.manager.checkpoints.release(checkpoint)
             if node in self.checkpoints:
                 self.checkpoints[node].touch()

@@ -28,8 +28,6 @@ LAYERS = (
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.
 UPWARD = {
-    # The mode names the settings validate are the prefix cache's own definitions.
-    ("sglang_dsv4.settings", "sglang_dsv4.prefix_cache"),
     # SGLang's model class lives beside the network it adapts; it reads the served config and
     # refuses to start when a hook it needs did not apply.
     ("sglang_dsv4.model.sglang_model", "sglang_dsv4.served_config"),

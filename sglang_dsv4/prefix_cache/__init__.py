@@ -16,8 +16,8 @@ retention rule against the behaviour before it. SGLang answers ``[true]`` (one f
 
 from __future__ import annotations
 
-PREFIX_HITS = ("exact", "aligned")
-WINDOW_POLICIES = ("per_request", "all_committed")
+from ..settings import PREFIX_HITS, WINDOW_POLICIES
+
 # Which checkpoint goes first (.retention): by worth (the default), or plain LRU (the baseline it is measured against).
 CHECKPOINT_RETENTIONS = ("worth", "lru")
 # /set_internal_state key -> the mode's values, in the order of their codes.

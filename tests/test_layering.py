@@ -17,21 +17,19 @@ import sglang_dsv4
 
 PACKAGE = Path(sglang_dsv4.__file__).parent
 LAYERS = (
-    ("config", "configs", "settings"),
+    ("config", "configs", "settings", "required_hooks"),
     ("kernels",),
     ("model", "moe"),
     ("memory_pool",),
     ("prefix_cache",),
     ("attention_backend",),
-    ("kv_cache", "plugin", "hooks", "platform", "quantization", "served_config", "serving", "data_parallel",
+    ("kv_cache", "plugin", "platform", "quantization", "served_config", "serving", "data_parallel",
      "speculation", "routing", "launch", "tiny", "chat_template", "agentperf", "demo", "cli", "__init__"),
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.
 UPWARD = {
-    # SGLang's model class lives beside the network it adapts; it reads the served config and
-    # refuses to start when a hook it needs did not apply.
+    # SGLang's model class lives beside the network it adapts; it reads the served config.
     ("sglang_dsv4.model.sglang_model", "sglang_dsv4.served_config"),
-    ("sglang_dsv4.model.sglang_model", "sglang_dsv4.hooks"),
     # So does SGLang's draft model (the MTP layer) beside it.
     ("sglang_dsv4.model.sglang_draft", "sglang_dsv4.served_config"),
     # The radix-cache factory SGLang calls checks that it was given the V4 pool.

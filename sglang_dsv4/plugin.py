@@ -105,7 +105,7 @@ def _register_model() -> None:
 
     from .model.sglang_draft import DRAFT_ARCHITECTURE, DeepseekV4ForCausalLMNextN
     from .model.sglang_model import DeepseekV4ForCausalLM
-    from .moe.fused_moe import register_cpu_forward
+    from .model.fused_moe import register_cpu_forward
     from .platform import DISPATCH_KEY
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM

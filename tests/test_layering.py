@@ -19,7 +19,8 @@ PACKAGE = Path(sglang_dsv4.__file__).parent
 LAYERS = (
     ("config", "configs", "settings", "required_hooks"),
     ("kernels",),
-    ("model", "moe"),
+    ("model",),
+    ("moe",),
     ("memory_pool",),
     ("prefix_cache",),
     ("attention_backend",),

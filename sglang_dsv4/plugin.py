@@ -159,7 +159,7 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .prefix_cache.registration import check_cache_tiers
+    from .radix_cache import check_cache_tiers
 
     require_hooks_applied()
     view = resolving_view(server_args)
@@ -179,7 +179,7 @@ def _register_prefix_cache() -> None:
 
     from .prefix_cache.admission import register_admission_hooks
     from .prefix_cache.host_tier_size import estimate_hicache_bytes
-    from .prefix_cache.registration import build_v4_radix_cache
+    from .radix_cache import build_v4_radix_cache
 
     if "dsv4" not in registered_radix_cache_backends():  # a second register() in one process (tests) keeps it
         register_radix_cache_backend("dsv4", build_v4_radix_cache)
@@ -191,7 +191,7 @@ def _register_prefix_cache() -> None:
 
 def _default_to_v4_radix_cache(original, ctx):
     from .kv_cache import V4KVPool
-    from .prefix_cache.registration import build_v4_radix_cache
+    from .radix_cache import build_v4_radix_cache
 
     if isinstance(ctx.params.token_to_kv_pool_allocator.get_kvcache(), V4KVPool):
         return build_v4_radix_cache(ctx)
@@ -201,7 +201,7 @@ def _default_to_v4_radix_cache(original, ctx):
 def _add_prefix_cache_updates(original, controller) -> dict:
     """``/set_internal_state`` accepts ``dsv4_prefix_hits``, ``dsv4_window_policy`` and
     ``dsv4_checkpoint_retention``."""
-    from .prefix_cache.registration import runtime_mode_updates
+    from .radix_cache import runtime_mode_updates
 
     return {**original(controller), **runtime_mode_updates(controller.scheduler.tree_cache)}
 

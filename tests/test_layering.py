@@ -24,7 +24,7 @@ LAYERS = (
     ("memory_pool",),
     ("prefix_cache",),
     ("attention_backend",),
-    ("kv_cache", "plugin", "platform", "quantization", "served_config", "serving", "data_parallel",
+    ("kv_cache", "radix_cache", "plugin", "platform", "quantization", "served_config", "serving", "data_parallel",
      "speculation", "routing", "launch", "tiny", "chat_template", "agentperf", "demo", "cli", "__init__"),
 )  # fmt: skip
 # Imports that reach up a layer, and why they stand.
@@ -33,8 +33,6 @@ UPWARD = {
     ("sglang_dsv4.model.sglang_model", "sglang_dsv4.served_config"),
     # So does SGLang's draft model (the MTP layer) beside it.
     ("sglang_dsv4.model.sglang_draft", "sglang_dsv4.served_config"),
-    # The radix-cache factory SGLang calls checks that it was given the V4 pool.
-    ("sglang_dsv4.prefix_cache.registration", "sglang_dsv4.kv_cache"),
     # The SGLang-facing backends are handed the pool as SGLang's KVCache.
     ("sglang_dsv4.attention_backend.pool_bound", "sglang_dsv4.kv_cache"),
 }

@@ -1,8 +1,8 @@
 """The radix-cache backend for V4: token-exact hits through compressor-state checkpoints.
 
-:func:`~.registration.build_v4_radix_cache` is what SGLang's radix-cache registry calls (the default
+:func:`~sglang_dsv4.radix_cache.build_v4_radix_cache` is what SGLang's radix-cache registry calls (the default
 for V4 checkpoints while the plugin is active, or ``--radix-cache-backend dsv4``);
-:func:`~.registration.runtime_mode_updates` lets ``/set_internal_state`` switch its modes on a running
+:func:`~sglang_dsv4.radix_cache.runtime_mode_updates` lets ``/set_internal_state`` switch its modes on a running
 server. That route takes numbers only, so each mode is sent as its index in
 :data:`MODE_CODES`::
 

@@ -23,7 +23,7 @@ CPU, where ``--quick`` shrinks the shapes) and, for every TP / EP size the host 
 2. expert dispatch of the three hash layers on the shipped token batches (each rank holds
    ``step tokens / ep`` of them): the (token, choice) pairs to the ranks of their slots with
    ``all_to_all_single``, the grouped expert GEMM over the rank's slots
-   (:func:`sglang_dsv4.moe.experts.grouped_experts`), the results back and combined; step time and
+   (:func:`sglang_dsv4.model.experts.grouped_experts`), the results back and combined; step time and
    the busiest rank's share of the pairs under each placement.
 
 Times are medians over repetitions of the slowest rank, each repetition after a barrier, CUDA
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang_dsv4.config import named_config
-from sglang_dsv4.moe.experts import grouped_experts
+from sglang_dsv4.model.experts import grouped_experts
 from sglang_dsv4.moe.load import HashLoadPredictor, expected_hash_loads, random_hash_tables, token_histogram
 from sglang_dsv4.moe.placement import Placement
 

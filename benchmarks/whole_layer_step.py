@@ -13,7 +13,7 @@ eight ranks routed to the experts it holds. One rank's step is therefore, per la
 - the router's gate projection of its tokens, the shared expert over its tokens;
 - its share of the routed experts: ``8 x batch`` tokens (every rank's), top 6 of 256 (Flash) / 384 (Pro) experts
   at random (a random hash table's routing), of which the rank holds one eighth; pairs for other ranks' experts
-  are -1 and cost nothing (:func:`sglang_dsv4.moe.experts.grouped_experts`, bf16 weights: the release's FP4
+  are -1 and cost nothing (:func:`sglang_dsv4.model.experts.grouped_experts`, bf16 weights: the release's FP4
   experts would read a quarter of these bytes);
 
 plus, once a step, the decode index build and the head (the final norm and the vocabulary projection of its own
@@ -34,7 +34,7 @@ from engine_step import DTYPE, Timer, guarded, kinds_of, measure_ceilings
 from mhc_compressor import time_mhc  # on the path engine_step puts the kernel benchmarks on
 
 from sglang_dsv4.config import DeepseekV4Config, named_config
-from sglang_dsv4.moe.experts import clamped_swiglu, grouped_experts
+from sglang_dsv4.model.experts import clamped_swiglu, grouped_experts
 
 EP = 8  # ranks of the node: attention-DP 8, experts over 8
 TOP_K = 6

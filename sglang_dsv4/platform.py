@@ -37,7 +37,7 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return "cpu"
 
     def get_dispatch_key_name(self) -> str:
-        # SGLang's fused ops look up forwards registered for this key first (the MoE's, moe/fused_moe.py).
+        # SGLang's fused ops look up forwards registered for this key first (the MoE's, model/fused_moe.py).
         return DISPATCH_KEY
 
     def get_default_attention_backend(self) -> str:

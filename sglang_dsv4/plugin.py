@@ -6,8 +6,11 @@ takes over the decisions upstream forces for that architecture (its ``dsv4`` bac
 256-token pages, FP8 KV cache, a pool that refuses out-of-tree platforms), through
 SGLang's registries and hooks only. ``SGLANG_DSV4_PLUGIN_DISABLE=1`` leaves V4 to upstream.
 
-SGLang only logs a hook whose target moved; the model refuses to start instead
-(:func:`~sglang_dsv4.hooks.require_hooks_applied`), naming the hooks that did not apply.
+The SGLang functions it hooks are named here by dotted path (the data-parallel, routing, serving,
+admission and speculation hooks name their own targets beside their code), all of them in
+:data:`REQUIRED_HOOKS`. SGLang only logs a hook whose target moved (another SGLang version); the
+launcher and the model refuse to start instead
+(:func:`~sglang_dsv4.required_hooks.require_hooks_applied`), naming the hooks that did not apply.
 """
 
 from __future__ import annotations
@@ -18,17 +21,58 @@ from typing import Any
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import hooks
 from .config import check_tensor_parallel
-from .data_parallel import check_attention_data_parallel, register_data_parallel_hooks
+from .data_parallel import DATA_PARALLEL_HOOKS, check_attention_data_parallel, register_data_parallel_hooks
 from .platform import bind_rank_threads, host_sharing
-from .routing.controller import register_routing_hooks
+from .prefix_cache.admission import ADMISSION_HOOKS
+from .required_hooks import require, require_hooks_applied
+from .routing.controller import ROUTING_HOOKS, register_routing_hooks
 from .served_config import ARCHITECTURE, attach_checkpoint_config, is_v4_checkpoint, served_config
-from .serving import register_serving_hooks
+from .serving import SERVING_HOOKS, register_serving_hooks
 from .settings import settings
-from .speculation import check_speculation, register_speculation_hooks, verify_tokens
+from .speculation import SPECULATION_HOOKS, check_speculation, register_speculation_hooks, verify_tokens
 
 logger = logging.getLogger(__name__)
+
+UPSTREAM_V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
+KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+POOL_SIZING = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
+CHAT_ENCODING = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
+INTERNAL_STATE = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
+RADIX_CACHE_FACTORY = "sglang.srt.mem_cache.registry.default_radix_cache_factory"
+# SGLang's HiCache auto-sizing: the device bytes the host tier mirrors (prefix_cache/host_tier_size.py).
+HICACHE_AUTO_SIZING = "sglang.srt.mem_cache.hicache_auto_size._estimate_hicache_bytes"
+CONFIG_LOADING = "sglang.srt.utils.hf_transformers.config.get_config"
+CPU_PADDING = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
+THREAD_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
+STATE_UPDATES = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers"
+)
+# On the CPU platform, FP8 checkpoints' methods dequantize per use (quantization.py).
+FP8_METHOD_CHOICE = "sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method"
+FP8_ACTIVATION_DTYPES = "sglang.srt.layers.quantization.fp8.Fp8Config.get_supported_act_dtypes"
+REQUIRED_HOOKS = (
+    CONFIG_LOADING,
+    CPU_PADDING,
+    THREAD_BINDING,
+    UPSTREAM_V4_DEFAULTS,
+    KV_POOL_BUILDER,
+    POOL_SIZING,
+    CHAT_ENCODING,
+    INTERNAL_STATE,
+    *SERVING_HOOKS,
+    RADIX_CACHE_FACTORY,
+    HICACHE_AUTO_SIZING,
+    STATE_UPDATES,
+    *ADMISSION_HOOKS,
+    FP8_METHOD_CHOICE,
+    FP8_ACTIVATION_DTYPES,
+    *DATA_PARALLEL_HOOKS,
+    *ROUTING_HOOKS,
+    *SPECULATION_HOOKS,
+)
 
 
 def register() -> None:
@@ -36,17 +80,18 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
+    require(REQUIRED_HOOKS)
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
-    HookRegistry.register(hooks.CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
-    HookRegistry.register(hooks.CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
-    HookRegistry.register(hooks.THREAD_BINDING, bind_rank_threads, HookType.AROUND)
-    HookRegistry.register(hooks.UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
-    HookRegistry.register(hooks.KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
-    HookRegistry.register(hooks.POOL_SIZING, _size_v4_pools, HookType.AROUND)
-    HookRegistry.register(hooks.CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
-    HookRegistry.register(hooks.INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
+    HookRegistry.register(CONFIG_LOADING, attach_checkpoint_config, HookType.AFTER)
+    HookRegistry.register(CPU_PADDING, _keep_v4_unpadded, HookType.AROUND)
+    HookRegistry.register(THREAD_BINDING, bind_rank_threads, HookType.AROUND)
+    HookRegistry.register(UPSTREAM_V4_DEFAULTS, _skip_upstream_v4_defaults, HookType.AROUND)
+    HookRegistry.register(KV_POOL_BUILDER, _build_v4_kv_pool, HookType.AROUND)
+    HookRegistry.register(POOL_SIZING, _size_v4_pools, HookType.AROUND)
+    HookRegistry.register(CHAT_ENCODING, _prefer_checkpoint_chat_template, HookType.AROUND)
+    HookRegistry.register(INTERNAL_STATE, _report_pool_usage, HookType.AFTER)
     _register_quantization_hooks()
     register_data_parallel_hooks()
     register_routing_hooks()
@@ -60,7 +105,7 @@ def _register_model() -> None:
 
     from .model.sglang_draft import DRAFT_ARCHITECTURE, DeepseekV4ForCausalLMNextN
     from .model.sglang_model import DeepseekV4ForCausalLM
-    from .moe.fused_moe import register_cpu_forward
+    from .model.fused_moe import register_cpu_forward
     from .platform import DISPATCH_KEY
 
     ModelRegistry.models[ARCHITECTURE] = DeepseekV4ForCausalLM
@@ -71,8 +116,8 @@ def _register_model() -> None:
 def _register_quantization_hooks() -> None:
     from .quantization import cpu_activation_dtypes, cpu_quant_method
 
-    HookRegistry.register(hooks.FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
-    HookRegistry.register(hooks.FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
+    HookRegistry.register(FP8_METHOD_CHOICE, cpu_quant_method, HookType.AROUND)
+    HookRegistry.register(FP8_ACTIVATION_DTYPES, cpu_activation_dtypes, HookType.AROUND)
 
 
 def _register_attention_backend() -> None:
@@ -114,9 +159,9 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from .prefix_cache.registration import check_cache_tiers
+    from .radix_cache import check_cache_tiers
 
-    hooks.require_hooks_applied()
+    require_hooks_applied()
     view = resolving_view(server_args)
     check_tensor_parallel(served_config(hf_config), view.tp_size, view.attn_dp_size)
     check_attention_data_parallel(view)
@@ -134,19 +179,19 @@ def _register_prefix_cache() -> None:
 
     from .prefix_cache.admission import register_admission_hooks
     from .prefix_cache.host_tier_size import estimate_hicache_bytes
-    from .prefix_cache.registration import build_v4_radix_cache
+    from .radix_cache import build_v4_radix_cache
 
     if "dsv4" not in registered_radix_cache_backends():  # a second register() in one process (tests) keeps it
         register_radix_cache_backend("dsv4", build_v4_radix_cache)
-    HookRegistry.register(hooks.RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
-    HookRegistry.register(hooks.HICACHE_AUTO_SIZING, estimate_hicache_bytes, HookType.AROUND)
-    HookRegistry.register(hooks.STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
+    HookRegistry.register(RADIX_CACHE_FACTORY, _default_to_v4_radix_cache, HookType.AROUND)
+    HookRegistry.register(HICACHE_AUTO_SIZING, estimate_hicache_bytes, HookType.AROUND)
+    HookRegistry.register(STATE_UPDATES, _add_prefix_cache_updates, HookType.AROUND)
     register_admission_hooks()
 
 
 def _default_to_v4_radix_cache(original, ctx):
     from .kv_cache import V4KVPool
-    from .prefix_cache.registration import build_v4_radix_cache
+    from .radix_cache import build_v4_radix_cache
 
     if isinstance(ctx.params.token_to_kv_pool_allocator.get_kvcache(), V4KVPool):
         return build_v4_radix_cache(ctx)
@@ -156,7 +201,7 @@ def _default_to_v4_radix_cache(original, ctx):
 def _add_prefix_cache_updates(original, controller) -> dict:
     """``/set_internal_state`` accepts ``dsv4_prefix_hits``, ``dsv4_window_policy`` and
     ``dsv4_checkpoint_retention``."""
-    from .prefix_cache.registration import runtime_mode_updates
+    from .radix_cache import runtime_mode_updates
 
     return {**original(controller), **runtime_mode_updates(controller.scheduler.tree_cache)}
 

@@ -33,7 +33,7 @@ from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8Mo
 from torch import nn
 
 from .model.block_formats import FP8_BLOCK, dequantize_fp4, dequantize_fp8
-from .moe.experts import grouped_experts
+from .model.experts import grouped_experts
 from .platform import on_torch_cpu_platform
 
 
@@ -112,7 +112,7 @@ def dequantized_grouped_experts(
     w2: tuple[torch.Tensor, torch.Tensor],
     limit: float,
 ) -> torch.Tensor:
-    """:func:`~.moe.experts.grouped_experts` over FP4 experts ``(packed, scales)``, of which only those some
+    """:func:`~.model.experts.grouped_experts` over FP4 experts ``(packed, scales)``, of which only those some
     ``(token, slot)`` pair routes to are dequantized (one host read of which they are); -1 adds nothing.
 
     They are dequantized :data:`EXPERTS_PER_DEQUANTIZATION` at a time, each batch's pairs run

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .prefix_cache import PREFIX_HITS, WINDOW_POLICIES
-
 PREFIX = "SGLANG_DSV4_PLUGIN_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+# The prefix cache's modes a setting may name (prefix_cache/prefix_hits.py, prefix_cache/window_policy.py).
+PREFIX_HITS = ("exact", "aligned")
+WINDOW_POLICIES = ("per_request", "all_committed")
 
 
 class SettingsError(ValueError):

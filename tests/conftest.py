@@ -74,7 +74,7 @@ def sglang_with_plugin() -> None:
     applied."""
     from sglang.srt.plugins import load_plugins
 
-    from sglang_dsv4.hooks import require_hooks_applied
+    from sglang_dsv4.required_hooks import require_hooks_applied
 
     load_plugins()
     require_hooks_applied()

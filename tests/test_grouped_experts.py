@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv4.moe.experts import clamped_swiglu, grouped_experts
+from sglang_dsv4.model.experts import clamped_swiglu, grouped_experts
 
 EXPERTS, HIDDEN, INNER, LIMIT = 8, 16, 12, 0.7
 

@@ -63,7 +63,7 @@ def test_the_host_tier_with_speculation_is_refused(sglang_with_plugin):
     # checkpoint has not.
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_dsv4.prefix_cache.registration import check_cache_tiers
+    from sglang_dsv4.radix_cache import check_cache_tiers
 
     view = ServerArgs(model_path="tiny", enable_hierarchical_cache=True, hicache_write_policy="write_back",
                       speculative_algorithm="EAGLE")  # fmt: skip

@@ -56,7 +56,7 @@ from sglang_dsv4 import load_model
 from sglang_dsv4.launch import running_server
 from sglang_dsv4.model.network import DeepseekV4
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt
-from sglang_dsv4.prefix_cache import PREFIX_HITS, WINDOW_POLICIES
+from sglang_dsv4.settings import PREFIX_HITS, WINDOW_POLICIES
 from sglang_dsv4.speculation import SPECULATION
 
 VOCAB = 1024

@@ -126,8 +126,8 @@ def fp4_experts_on_ranks(rank: int, world: int, port: int, path: Path) -> None:
     import torch.distributed as dist
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
 
-    from sglang_dsv4.moe.experts import grouped_experts
-    from sglang_dsv4.moe.fused_moe import FusedRoutedExperts
+    from sglang_dsv4.model.experts import grouped_experts
+    from sglang_dsv4.model.fused_moe import FusedRoutedExperts
     from sglang_dsv4.quantization import Fp4DequantMoEMethod
 
     args = sglang_process(rank, world, port, path, ep_size=world)

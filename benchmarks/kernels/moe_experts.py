@@ -5,7 +5,7 @@ In one run it
 
 1. measures the ceilings: device-to-device copy bandwidth (bytes read + written) and an 8192^3
    bf16 matrix product;
-2. checks :func:`sglang_dsv4.moe.experts.grouped_experts` on the GPU (bf16, torch's grouped GEMM)
+2. checks :func:`sglang_dsv4.model.experts.grouped_experts` on the GPU (bf16, torch's grouped GEMM)
    against every (token, slot) pair computed on its own in float32, with experts of -1 (another
    rank's) among them;
 3. times, at V4-Flash and V4-Pro shapes (256 / 384 experts, top 6, intermediate 2048 / 3072, hidden
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from mhc_compressor import ceilings, time_eager, time_graph  # this folder's timing, one way for every kernel
 
-from sglang_dsv4.moe.experts import clamped_swiglu, grouped_experts
+from sglang_dsv4.model.experts import clamped_swiglu, grouped_experts
 
 MODELS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168)}  # experts, intermediate, hidden
 TOP_K, LIMIT = 6, 10.0

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 network in torch: modules, per-request state and checkpoint loader."""
+"""The DeepSeek-V4 network in torch: modules (its mixture of experts too), per-request state and checkpoint loader."""
 
 from .checkpoint_check import load_model
 from .loader import CheckpointError

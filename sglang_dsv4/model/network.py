@@ -19,9 +19,8 @@ from torch import nn
 
 from ..config import DeepseekV4Config
 from ..kernels.dispatch import mhc_post, mhc_post_pre, mhc_pre
-from ..moe import MoE
-from ..moe.experts import RoutedExperts
 from .attention import Attention
+from .experts import MoE, RoutedExperts
 from .linears import Layers, WholeLayers
 from .mhc import HyperConnection, HyperHead
 from .norms import RMSNorm

@@ -30,9 +30,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from ..moe.fused_moe import FusedRoutedExperts
 from ..served_config import served_config
 from .checkpoint_check import check_checkpoint, shard_files
+from .fused_moe import FusedRoutedExperts
 from .loader import load_weights, read_safetensors, release_name
 from .network import MultiTokenPrediction, run_blocks
 from .rope import model_rotaries

@@ -26,10 +26,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from ..moe.fused_moe import FusedRoutedExperts
+from ..required_hooks import require_hooks_applied
 from ..served_config import served_config
 from .checkpoint_check import check_checkpoint, shard_files
 from .dp_feed_forward import GatheredFeedForward
+from .fused_moe import FusedRoutedExperts
 from .loader import load_weights, read_safetensors
 from .mhc_communicator import TokenShardedResidual, TokenShards
 from .network import DeepseekV4, Residual, Sublayer, WholeResidual, run_blocks
@@ -40,8 +41,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     """Registered under the checkpoint's architecture name, ``DeepseekV4ForCausalLM``."""
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
-        from ..hooks import require_hooks_applied
-
         require_hooks_applied()
         super().__init__()
         self.config = config

@@ -1,8 +1,8 @@
 """The radix-cache backend for V4: token-exact hits through compressor-state checkpoints.
 
-:func:`~.registration.build_v4_radix_cache` is what SGLang's radix-cache registry calls (the default
+:func:`~sglang_dsv4.radix_cache.build_v4_radix_cache` is what SGLang's radix-cache registry calls (the default
 for V4 checkpoints while the plugin is active, or ``--radix-cache-backend dsv4``);
-:func:`~.registration.runtime_mode_updates` lets ``/set_internal_state`` switch its modes on a running
+:func:`~sglang_dsv4.radix_cache.runtime_mode_updates` lets ``/set_internal_state`` switch its modes on a running
 server. That route takes numbers only, so each mode is sent as its index in
 :data:`MODE_CODES`::
 
@@ -16,8 +16,8 @@ retention rule against the behaviour before it. SGLang answers ``[true]`` (one f
 
 from __future__ import annotations
 
-PREFIX_HITS = ("exact", "aligned")
-WINDOW_POLICIES = ("per_request", "all_committed")
+from ..settings import PREFIX_HITS, WINDOW_POLICIES
+
 # Which checkpoint goes first (.retention): by worth (the default), or plain LRU (the baseline it is measured against).
 CHECKPOINT_RETENTIONS = ("worth", "lru")
 # /set_internal_state key -> the mode's values, in the order of their codes.

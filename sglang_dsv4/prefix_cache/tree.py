@@ -68,7 +68,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from ..memory_pool.checkpoint import Checkpoint
-from . import CHECKPOINT_RETENTIONS, PREFIX_HITS, WINDOW_POLICIES
+from ..settings import PREFIX_HITS, WINDOW_POLICIES
+from . import CHECKPOINT_RETENTIONS
 from .host_tier import HostTier, HostTokens
 from .manager import CacheManager
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF

@@ -1,6 +1,6 @@
 """The served model's routed experts: SGLang's ``FusedMoE``, with V4's routing in front of it.
 
-V4's gate (:class:`~.routing.Gate`: sqrt-softplus scores, the correction bias, hash routing by
+V4's gate (:class:`~.expert_routing.Gate`: sqrt-softplus scores, the correction bias, hash routing by
 token id, the routed scaling) picks logical experts; SGLang's expert placement maps them to
 physical slots (``--init-expert-location``, ``--ep-dispatch-algorithm``, redundant experts) and
 ``FusedMoE`` runs them: its dispatcher (``--ep-size``: experts of other ranks become -1), its

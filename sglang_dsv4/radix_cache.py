@@ -1,19 +1,23 @@
-"""What SGLang calls: the radix-cache factory, the ``/set_internal_state`` handlers, and the launcher's check of
-cache tiers and their flags."""
+"""The V4 prefix cache as SGLang's radix cache: what SGLang calls (the radix-cache factory, the
+``/set_internal_state`` handlers, and the launcher's check of cache tiers and their flags).
+
+An SGLang adapter beside :mod:`.kv_cache`, above :mod:`.prefix_cache`: the factory is handed SGLang's pool and
+builds the tree over the V4 pool's cache manager.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError
-from ..kv_cache import V4KVPool
-from ..memory_pool.host_pools import host_rows_for_bytes
-from ..memory_pool.storage import V4PoolStorage
-from ..settings import settings
-from . import MODE_CODES
-from .host_tier import WRITE_POLICIES, HostTier
-from .host_tier_size import check_fits_host_memory, host_tier_bytes
-from .tree import V4RadixCache
+from .config import ConfigError
+from .kv_cache import V4KVPool
+from .memory_pool.host_pools import host_rows_for_bytes
+from .memory_pool.storage import V4PoolStorage
+from .prefix_cache import MODE_CODES
+from .prefix_cache.host_tier import WRITE_POLICIES, HostTier
+from .prefix_cache.host_tier_size import check_fits_host_memory, host_tier_bytes
+from .prefix_cache.tree import V4RadixCache
+from .settings import settings
 
 # SGLang's HiCache transfer settings, at their defaults: the V4 host tier copies rows in the device pool's own
 # formats, so neither an I/O backend nor a host layout applies to it.

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DeepseekV4Config
-from ..model.linears import Layers, WholeLayers
-from .routing import Gate
+from .expert_routing import Gate
+from .linears import Layers, WholeLayers
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

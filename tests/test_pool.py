@@ -235,11 +235,12 @@ def test_a_launched_forwards_row_lets_go_of_its_snapshots_windows_before_any_che
     cached: list = []  # the tree's checkpoints, least recently used first
 
     class Tree(NothingCached):
-        def evict_one_checkpoint(self) -> bool:
-            if not cached:
-                return False
-            pool.checkpoints.release(cached.pop(0))
-            return True
+        def evict_checkpoints_while(self, short, for_snapshot: bool = False) -> bool:
+            released = False
+            while short() and cached:
+                pool.checkpoints.release(cached.pop(0))
+                released = True
+            return released
 
     pool.manager.bind_tree(Tree())
     pool.checkpoints.interval = 64

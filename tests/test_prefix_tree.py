@@ -27,7 +27,7 @@ from sglang_dsv4.memory_pool.host_pools import device_kinds
 from sglang_dsv4.memory_pool.storage import V4PoolStorage
 from sglang_dsv4.prefix_cache.host_tier import WRITE_POLICIES, HostTier
 from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
-from sglang_dsv4.prefix_cache.tree import V4RadixCache
+from sglang_dsv4.prefix_cache.tree import Standings, V4RadixCache, _anchored
 from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
 from sglang_dsv4.routing.router import CacheAwareRouter
 
@@ -791,3 +791,30 @@ def test_the_report_counts_checkpoints_by_state_with_the_window_bytes_they_hold(
         assert by_state["superseded"] == {"count": 0, "window_bytes": 0} and released > 0
     else:
         assert by_state["superseded"]["count"] > 0 and by_state["superseded"]["window_bytes"] > 0 and released == 0
+
+
+@pytest.mark.parametrize("window_policy", ["per_request", "all_committed"])
+def test_standings_brought_up_to_date_after_each_release_equal_a_fresh_walk(tiny_model, window_policy):
+    """Issue 43: making room releases checkpoints one by one, the standings worked out once and updated after each
+    release; after every release they equal the standings a fresh walk of the tree gives (the oracle: the walk
+    the eviction made before every single release)."""
+    scheduler = sessions_take_turns(tiny_model, window_policy, spare_records=24)
+    tree = scheduler.tree
+    # Shared prefixes too: a fork of a session's history, resumed mid-path.
+    deepest = sorted(checkpoint_prefixes(tree), key=len)[-3:]
+    for fork in [list(prefix[: len(prefix) // 2]) for prefix in deepest]:
+        run_turn(scheduler, fork + [7, 8, 9], new_tokens=2)
+    standings, released = Standings(tree), 0
+    while tree.checkpoints:
+        candidates = [n for n in tree.checkpoints if not _anchored(n)]
+        if not candidates:
+            break
+        # The worth-least one, as eviction takes, or (every other release) the worth-most: a session's deepest
+        # going first leaves the checkpoints above it with nothing below.
+        choose = max if released % 2 else min
+        node = choose(candidates, key=lambda n: (tree.retention.order(standings.of[n]), id(n)))
+        tree._release(node)
+        standings.released(node)
+        released += 1
+        assert standings.of == Standings(tree).of, f"after {released} releases"
+    assert released >= 20

@@ -24,6 +24,7 @@ tables and the planner hold no callables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,9 +41,9 @@ from .window_policy import PER_REQUEST, WindowPolicy
 class Evictions(Protocol):
     """What the prefix tree gives back when the manager asks; each says whether it freed anything."""
 
-    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
-        """Release the checkpoint worth least that no request holds its lock on (for a forward's snapshot:
-        none that is a session's deepest)."""
+    def evict_checkpoints_while(self, short: Callable[[], bool], for_snapshot: bool = False) -> bool:
+        """While ``short()``, release the checkpoint worth least that no request holds its lock on (for a forward's
+        snapshot: none that is a session's deepest)."""
 
     def keep_only_resumed_windows(self) -> bool:
         """Every checkpoint keeps only the window a request resumed from it reads."""
@@ -54,7 +55,7 @@ class Evictions(Protocol):
 class NothingCached:
     """The evictions of a pool no prefix tree is bound to (yet): nothing is cached, nothing to give back."""
 
-    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
+    def evict_checkpoints_while(self, short: Callable[[], bool], for_snapshot: bool = False) -> bool:
         return False
 
     def keep_only_resumed_windows(self) -> bool:
@@ -123,7 +124,7 @@ class CacheManager:
         for give_back in (
             self.tables.keep_only_what_forwards_read,
             self.tree.keep_only_resumed_windows,
-            self.tree.evict_one_checkpoint,
+            lambda: self.tree.evict_checkpoints_while(lambda: slots.free < count),
             self.checkpoints.drop_newest,
         ):
             while slots.free < count and give_back():
@@ -225,8 +226,7 @@ class CacheManager:
                 pass
 
     def _room_for_optional(self, rows: SharedRows, count: int, for_snapshot: bool = False) -> bool:
-        while rows.free < count and self.tree.evict_one_checkpoint(for_snapshot):
-            pass
+        self.tree.evict_checkpoints_while(lambda: rows.free < count, for_snapshot)
         return rows.free >= count
 
     # --- what the tree asks about the pool --------------------------------------------------------

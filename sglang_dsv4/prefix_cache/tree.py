@@ -20,7 +20,7 @@ Checkpoints share their rows with requests by reference count, so evicting one n
 breaks a running request; one on a locked node (a request between its match and its
 allocation) is never evicted. The tree reaches the pool only through the cache manager
 (:class:`~.manager.CacheManager`), which is bound to it: under row pressure the manager
-asks for the checkpoint worth least back (:meth:`V4RadixCache.evict_one_checkpoint`, :mod:`.retention`)
+asks for the checkpoints worth least back (:meth:`V4RadixCache.evict_checkpoints_while`, :mod:`.retention`)
 before any persistent KV goes (under ``per_request`` those a request resumes past go as it
 resumes); SGLang evicts token slots (and the checkpoints of the leaves
 it drops) only when it needs tokens. A checkpoint that cannot be had even then is skipped
@@ -49,7 +49,7 @@ import hashlib
 import heapq
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -317,45 +317,32 @@ class V4RadixCache(RadixCache):
     def note_held_back(self, reason: str) -> None:
         self.held_back[reason] += 1
 
-    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
-        """Release the checkpoint worth least (:mod:`.retention`; under ``lru`` the least recently used)
-        that no request holds its lock on; ``for_snapshot``: to make room for what a forward plans, which
-        no session's deepest checkpoint is traded for (under ``worth``)."""
-        standings = self._standings()
-        retention = self.retention
-        candidates = [
-            (retention.order(standings[n]), id(n), n)
-            for n in self.checkpoints
-            if not _anchored(n) and (not for_snapshot or retention.may_go_for_snapshot(standings[n]))
-        ]
-        if not candidates:
-            return False
-        _, _, node = min(candidates)
-        self.evictions[standings[node].reason] += 1
-        self._release(node)
-        return True
+    def evict_checkpoints_while(self, short: Callable[[], bool], for_snapshot: bool = False) -> bool:
+        """While ``short()``, release the checkpoint worth least (:mod:`.retention`; under ``lru`` the least recently
+        used) that no request holds its lock on; ``for_snapshot``: to make room for what a forward plans, which no
+        session's deepest checkpoint is traded for (under ``worth``). Whether any went. The standings are worked
+        out in one walk of the tree and brought up to date after each release (:class:`Standings`)."""
+        standings, retention, released = None, self.retention, False
+        while short():
+            standings = standings or Standings(self)
+            candidates = [
+                (retention.order(standings.of[n]), id(n), n)
+                for n in self.checkpoints
+                if not _anchored(n) and (not for_snapshot or retention.may_go_for_snapshot(standings.of[n]))
+            ]
+            if not candidates:
+                break
+            _, _, node = min(candidates)
+            self.evictions[standings.of[node].reason] += 1
+            self._release(node)
+            standings.released(node)
+            released = True
+        return released
 
-    def _standings(self) -> dict[TreeNode, Standing]:
-        """Every checkpoint's standing: one walk down the tree (the nearest checkpoint above each node),
-        and back up (whether a checkpoint, or a request's lock, lies below: a checkpoint a request has
-        resumed from and run past is not its session's deepest, though the request's own is not made yet)."""
-        visited, shallower, stack = [], {}, [(self.root_node, 0)]
-        while stack:
-            node, above = stack.pop()
-            visited.append(node)
-            shallower[node] = above
-            here = self.checkpoints.get(node)
-            for child in node.children.values():
-                stack.append((child, above if here is None else here.position))
-        below: dict[TreeNode, bool] = {}
-        for node in reversed(visited):  # every node after all of its descendants
-            children = node.children.values()
-            below[node] = any(below[c] or self._checkpoint_at(c) is not None or c.lock_ref > 0 for c in children)
-        slot_bytes, record_bytes = self.manager.window_slot_bytes, self.manager.record_bytes
-        return {
-            node: standing(checkpoint, shallower[node], not below[node], slot_bytes, record_bytes)
-            for node, checkpoint in self.checkpoints.items()
-        }
+    def evict_one_checkpoint(self, for_snapshot: bool = False) -> bool:
+        """Release the checkpoint worth least, as :meth:`evict_checkpoints_while` does; whether one went."""
+        asked = iter((True,))
+        return self.evict_checkpoints_while(lambda: next(asked, False), for_snapshot)
 
     def _supersede_above(self, node: TreeNode) -> None:
         """A request resumes from the checkpoint at ``node``: those above it on its path, up to the
@@ -831,6 +818,70 @@ class V4RadixCache(RadixCache):
         when nothing leaked or was freed twice; :meth:`CacheManager.audit`, :meth:`HostTier.audit`)."""
         device = self.manager.audit(list(self.checkpoints.values()))
         return device if self.host is None else {**device, **self.host.audit()}
+
+
+class Standings:
+    """Every device checkpoint's standing (:func:`.retention.standing`) while checkpoints are released one by one:
+    worked out in one walk down the tree (the nearest checkpoint above each node) and back up (whether a
+    checkpoint, or a request's lock, lies below: a checkpoint a request has resumed from and run past is not its
+    session's deepest, though the request's own is not made yet), then after each release only where it changed.
+
+    A release at ``X`` changes two things only: the checkpoints whose nearest shallower one was ``X`` (the first on
+    each path below it) now reach to ``X``'s own nearest shallower one; and above ``X``, whether anything lies below
+    a node, up to the first node for which that stays as it was. Nothing else a standing reads changes while
+    checkpoints are only released."""
+
+    def __init__(self, tree: V4RadixCache):
+        self.tree = tree
+        visited, self.shallower, stack = [], {}, [(tree.root_node, 0)]
+        while stack:
+            node, above = stack.pop()
+            visited.append(node)
+            self.shallower[node] = above
+            here = tree.checkpoints.get(node)
+            for child in node.children.values():
+                stack.append((child, above if here is None else here.position))
+        self.below: dict[TreeNode, bool] = {}
+        for node in reversed(visited):  # every node after all of its descendants
+            self.below[node] = self._anything_below(node)
+        self.of = {node: self._standing(node) for node in tree.checkpoints}
+
+    def released(self, node: TreeNode) -> None:
+        """The checkpoint at ``node`` was released: bring the standings it changed up to date."""
+        tree = self.tree
+        del self.of[node]
+        stack, above = list(node.children.values()), self.shallower[node]
+        while stack:
+            child = stack.pop()
+            self.shallower[child] = above
+            if child in tree.checkpoints:
+                self.of[child] = self._standing(child)
+            else:
+                stack.extend(child.children.values())
+        while node is not tree.root_node:
+            node = node.parent
+            anything = self._anything_below(node)
+            if anything == self.below[node]:
+                break
+            self.below[node] = anything
+            if node in tree.checkpoints:
+                self.of[node] = self._standing(node)
+
+    def _anything_below(self, node: TreeNode) -> bool:
+        tree = self.tree
+        return any(
+            self.below[c] or tree._checkpoint_at(c) is not None or c.lock_ref > 0 for c in node.children.values()
+        )
+
+    def _standing(self, node: TreeNode) -> Standing:
+        manager = self.tree.manager
+        return standing(
+            self.tree.checkpoints[node],
+            self.shallower[node],
+            not self.below[node],
+            manager.window_slot_bytes,
+            manager.record_bytes,
+        )
 
 
 def check_modes(

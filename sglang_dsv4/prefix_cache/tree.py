@@ -833,6 +833,7 @@ class Standings:
 
     def __init__(self, tree: V4RadixCache):
         self.tree = tree
+        self.slot_bytes, self.record_bytes = tree.manager.window_slot_bytes, tree.manager.record_bytes
         visited, self.shallower, stack = [], {}, [(tree.root_node, 0)]
         while stack:
             node, above = stack.pop()
@@ -874,14 +875,8 @@ class Standings:
         )
 
     def _standing(self, node: TreeNode) -> Standing:
-        manager = self.tree.manager
-        return standing(
-            self.tree.checkpoints[node],
-            self.shallower[node],
-            not self.below[node],
-            manager.window_slot_bytes,
-            manager.record_bytes,
-        )
+        checkpoint = self.tree.checkpoints[node]
+        return standing(checkpoint, self.shallower[node], not self.below[node], self.slot_bytes, self.record_bytes)
 
 
 def check_modes(

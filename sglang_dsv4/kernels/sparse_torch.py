@@ -12,6 +12,8 @@ Of keys with equal scores the top-k takes the earliest (:func:`top_k_earliest_ti
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -122,20 +124,25 @@ def earliest_top_k_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
     with ``v`` the row's k-th largest score, ``{j : s_j > v}`` and the first ``k - |{j : s_j > v}|`` of
     ``{j : s_j = v}``; ``min(k, width)`` int64 slots a row.
 
-    One ``torch.topk`` (any of the ties) finds ``v``; the slots are then chosen by comparisons and a running
-    count of the ties, no sort. NaN, which ``torch.topk`` and ``torch.sort`` rank above every number (never from
-    finite keys), makes ``v`` NaN: such rows take the stable sort instead.
-    """
-    k = min(k, scores.shape[-1])
+    NaN ranks above every number, as ``torch.sort`` ranks it (never from finite keys): a row's ``m`` NaNs come
+    first (the earliest ``k`` if ``m >= k``), then the best ``k - m`` numbers. One ``torch.topk`` over the row with
+    NaN read as ``+inf`` finds ``v`` (the ``k - m``-th largest number when ``m < k``); the slots are chosen by
+    comparisons and running counts, and written to their places by a scatter: no sort, and nothing read back to the
+    host (the CUDA-graph step runs it)."""
+    width = scores.shape[-1]
+    k = min(k, width)
     if k == 0:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=scores.device)
+    nan = scores.isnan()
     # torch.topk, not Tensor.topk: the tests' conftest.earliest_ties_in_top_k makes Tensor.topk this function
-    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    if kth.isnan().any():
-        return scores.argsort(dim=-1, descending=True, stable=True)[..., :k].sort(dim=-1).values
-    above, tied = scores > kth, scores == kth
-    taken = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
-    return taken.nonzero()[:, -1].view(*scores.shape[:-1], k)
+    kth = torch.topk(scores.masked_fill(nan, math.inf), k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above, tied = (scores > kth) & ~nan, (scores == kth) & ~nan
+    wanted = k - nan.sum(dim=-1, keepdim=True) - above.sum(dim=-1, keepdim=True)
+    taken = (nan & (nan.cumsum(dim=-1) <= k)) | above | (tied & (tied.cumsum(dim=-1) <= wanted))
+    places = torch.where(taken, taken.cumsum(dim=-1) - 1, k)  # each taken slot's place; the rest to a spare column
+    slots = torch.arange(width, device=scores.device).expand_as(scores)
+    chosen = torch.empty(*scores.shape[:-1], k + 1, dtype=torch.int64, device=scores.device)
+    return chosen.scatter_(-1, places, slots)[..., :k]
 
 
 def _best_first(values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,14 @@ import triton.language as tl
 from .fp8_rows import fp8_key_rows
 from .interpreter import INTERPRETED, dot
 from .kv_format import Fp8KeyRows, RowFormat
-from .topk import temporal_top_k, top_k, top_k_reference, whole_row_top_k, whole_row_top_k_rows
+from .topk import (
+    temporal_top_k,
+    top_k,
+    whole_row_top_k,
+    whole_row_top_k_rows,
+    wide_row_top_k,
+    wide_row_top_k_rows,
+)
 
 
 def index_scores(
@@ -109,34 +116,45 @@ def select_entries(
     return temporal_top_k(scores, lengths, k, previous)
 
 
-# Measured on the H200 (benchmarks/NOTES.md, "Fixed costs of a small decode step"): the one-launch whole-row
-# select beats torch.topk up to rows of 16K scores (3-4x at the 2,049 of an 8K context), the three-launch
-# Triton top-k from 64 rows of 128K scores, torch.topk in between.
+# Measured on the H200 (benchmarks/NOTES.md, "Fixed costs of a small decode step" and "The wide-row select"): the
+# one-launch whole-row select up to rows of 16K scores (3-4x torch.topk at the 2,049 of an 8K context), the
+# one-launch wide-row select above that (2.0-3.3x torch.topk at the 32,769 of a 128K context, 1.3-1.7x the
+# three-launch top-k), the three-launch Triton top-k from 65,537 (1.2-3.8x the wide-row select there). The
+# boundary between the last two lies between the widths measured.
 WHOLE_ROW_TOP_K_MAX_WIDTH = 1 << 14
-TRITON_TOP_K_MIN_ROWS, TRITON_TOP_K_MIN_WIDTH = 64, 1 << 17
+WIDE_ROW_TOP_K_MAX_WIDTH = 3 << 14
 
 
 def exact_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``: the whole-row
-    Triton select up to ``WHOLE_ROW_TOP_K_MAX_WIDTH`` scores a row, the three-launch Triton top-k from
-    ``TRITON_TOP_K_MIN_ROWS`` rows of ``TRITON_TOP_K_MIN_WIDTH`` (both in no set order), ``torch.topk`` (best
-    first) between. All exact and graph-capturable; the choice reads shapes only."""
+    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``, of equal scores
+    the earliest slots (:func:`.sparse_torch.top_k_earliest_ties`'s choice, in no set order): the whole-row
+    Triton select up to ``WHOLE_ROW_TOP_K_MAX_WIDTH`` scores a row, the wide-row select up to
+    ``WIDE_ROW_TOP_K_MAX_WIDTH``, the three-launch Triton top-k above. All exact and graph-capturable; the choice
+    reads shapes only."""
     if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
         return whole_row_top_k(scores, lengths, k)
-    if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
-        return top_k(scores, lengths, k)
-    return top_k_reference(scores, lengths, k)
+    if scores.shape[1] <= WIDE_ROW_TOP_K_MAX_WIDTH:
+        return wide_row_top_k(scores, lengths, k, num_warps=_wide_row_warps(scores))
+    return top_k(scores, lengths, k)
+
+
+def _wide_row_warps(scores: torch.Tensor) -> int:
+    """16 warps while the rows leave multiprocessors idle, else 8 (the best of 4, 8 and 16 at 1, 64 and 256 rows of
+    16K-256K scores on the H200)."""
+    return 16 if scores.shape[0] < 128 else 8
 
 
 def top_k_entry_rows(
     scores: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor, table_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`exact_top_k` written as the rows its slots stand for, ``table[table_row[r], j]`` ``[rows, k]`` int32
-    (then -1, or past the choice never read), and how many each row chose ``[rows]`` int32: the whole-row select
-    writes both in its launch (:func:`.topk.whole_row_top_k_rows`); the other top-ks' slots go through
-    :func:`.chosen_rows.chosen_entry_rows`."""
+    (then -1, or past the choice never read), and how many each row chose ``[rows]`` int32: the one-launch selects
+    write both in their launch (:func:`.topk.whole_row_top_k_rows`, :func:`.topk.wide_row_top_k_rows`); the
+    three-launch top-k's slots go through :func:`.chosen_rows.chosen_entry_rows`."""
     if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
         return whole_row_top_k_rows(scores, lengths, k, table, table_row)
+    if scores.shape[1] <= WIDE_ROW_TOP_K_MAX_WIDTH:
+        return wide_row_top_k_rows(scores, lengths, k, table, table_row, num_warps=_wide_row_warps(scores))
     from .chosen_rows import chosen_entry_rows
 
     return chosen_entry_rows(table, table_row, exact_top_k(scores, lengths, k))

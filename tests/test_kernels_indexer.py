@@ -344,9 +344,9 @@ def test_three_launch_and_temporal_top_k_take_the_earliest_ties(topk, poisoned):
     previous = topk.top_k_reference(torch.randn(rows, width, generator=generator), lengths, k)
     assert_earliest_ties(topk.temporal_top_k(scores, lengths, k, previous), scores, lengths, k)
     crowded = torch.randn(1, 300_000, generator=generator)
-    crowded[0, 1024 * 10 : 1024 * 10 + 200] = 6.0  # 200 equal scores, the top 64 among them
-    lengths = torch.tensor([300_000], dtype=torch.int32)
-    assert_earliest_ties(topk.top_k(crowded, lengths, 64), crowded, lengths, 64)
+    crowded[0, 1024 * 11 - 124 : 1024 * 11 + 76] = 6.0  # 200 equal scores over two keeping blocks, the top 100 ...
+    lengths = torch.tensor([300_000], dtype=torch.int32)  # ... all in the first
+    assert_earliest_ties(topk.top_k(crowded, lengths, 100), crowded, lengths, 100)
 
 
 @interpreted_only

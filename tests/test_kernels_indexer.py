@@ -147,6 +147,33 @@ def test_scores_without_a_table_read_the_pool_in_order(indexer):
     assert torch.equal(plain, indexer.index_scores(q, weights, keys, lengths, scale=0.2, table=in_order))
 
 
+@interpreted_only
+@pytest.mark.parametrize("magnitude", [1e-7, 1.0, 3e6])
+def test_scores_of_fp8_keys_against_bf16_queries_in_fp16_operands(indexer, poisoned, magnitude):
+    """bf16 queries over FP8 keys go through fp16 operands, each query row scaled by a power of two into fp16's
+    range: exact operands, so the scores are the float64 reference's to float32 accumulation, at query magnitudes
+    that would underflow or overflow fp16 unscaled (a component spread of 2**-12 within each row)."""
+    generator = torch.Generator().manual_seed(int(magnitude * 1e7) % 1000)
+    rows, heads, dim, pool_rows, width = 3, 16, 128, 50, 37
+    row_format = Fp8KeyRows(dim)
+    spread = torch.exp2(-12 * torch.rand(rows, heads, dim, generator=generator))
+    q = (torch.randn(rows, heads, dim, generator=generator) * spread * magnitude).to(torch.bfloat16)
+    weights = torch.randn(rows, heads, generator=generator)
+    keys = row_format.encode(torch.randn(pool_rows, dim, generator=generator))
+    table = torch.randint(0, pool_rows, (rows, width), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([width, 20, 0], dtype=torch.int32)
+
+    scores = indexer.index_scores(q, weights, keys, lengths, scale=dim**-0.5, table=table, keys_format=row_format)
+
+    decoded = row_format.decode(keys, torch.float64)
+    expected = indexer.index_scores_reference(
+        q.double(), weights.double(), decoded, lengths, scale=dim**-0.5, table=table
+    )
+    visible = torch.isfinite(expected)
+    assert torch.equal(torch.isneginf(scores), ~visible)
+    assert relative_error(scores[visible], expected[visible]) < 1e-5
+
+
 # rows, width, k: short rows, rows shorter than k, widths past the sample and past one keeping block
 TOPK_CASES = [(3, 50, 7), (4, 5003, 16), (2, 20011, 40), (3, 9000, 600)]
 

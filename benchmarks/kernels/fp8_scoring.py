@@ -99,6 +99,7 @@ def shipped(
     block_keys: int = 128,
     tiles: int = 4,
     row_bytes: int = 132,
+    fp16: bool | None = None,
 ):
     q, weights, keys, table, lengths, row_format = inputs(batch, fp8, row_bytes)
     width = table.shape[1]
@@ -111,7 +112,7 @@ def shipped(
             table, table.stride(0), lengths, lengths, scores, scores.stride(0), width, 0.1,
             HEADS=q.shape[1], BLOCK_HEADS=q.shape[1], DIM=q.shape[2], BLOCK_KEYS=block_keys, TILES=tiles,
             HAS_TABLE=True,
-            TABLE_ROWS=False, KEYS_FP8=fp8, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1] if fp8 else 0,
+            TABLE_ROWS=False, KEYS_FP8=fp8, FP16_OPERANDS=fp8 if fp16 is None else fp16, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1] if fp8 else 0,
             DOT_PRECISION="tf32", UPCAST_DOT=False, num_warps=warps, **extra,
         )  # fmt: skip
         return scores
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--ncu", action="store_true", help="one launch of the shipped bf16 and FP8 kernels only")
     parser.add_argument("--stages-dropped", action="store_true", help="also the stage-dropping copies")
     parser.add_argument("--padded", action="store_true", help="only FP8 key rows padded to 144 B against 132 B")
+    parser.add_argument("--operands", action="store_true", help="only FP8 keys against bf16 or fp16 operands")
     args = parser.parse_args()
     if args.ncu:
         for fp8 in (False, True):
@@ -161,6 +163,20 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "fp8_scoring.json").write_text(json.dumps(lines, indent=1))
 
+    if args.operands:
+        for batch in (64, 256):
+            reference, _ = shipped(batch, True, 1, fp16=False)
+            expected = reference().clone()
+            for fp8, stages, fp16 in [(False, None, False), (True, None, False), (True, 1, False), (True, 1, True),
+                                      (True, None, True)]:  # fmt: skip
+                run, moved = shipped(batch, fp8, stages, fp16=fp16)
+                floor = moved / ceilings["copy_tbps"] / 1e6
+                out = run()
+                error = ((out - expected).norm() / expected.norm()).item() if fp8 else None
+                us = timer.graph_us(run)
+                record({"kernel": "shipped", "batch": batch, "fp8": fp8, "stages": stages, "fp16_operands": fp16,
+                        "us": us, "floor_us": floor, "of_floor": floor / us, "error_vs_bf16_operands": error})  # fmt: skip
+        return
     if args.padded:
         for batch in (64, 256):
             reference, _ = shipped(batch, True, 1)

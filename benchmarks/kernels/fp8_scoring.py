@@ -5,10 +5,11 @@ each kernel only (for ``ncu --clock-control none``). At V4-Flash's indexer dims,
 row), batch 64 and 256, keys read through a table of distinct rows (random values):
 
 * the shipped :func:`sglang_dsv4.kernels.indexer._index_scores_kernel` over bf16 and over FP8 keys, at several
-  pipeline depths (``num_stages``);
-* stage-dropping copies of its FP8 loop (``MODE``): the key bytes loaded and summed as integers (no conversion,
-  no dot: the load path alone); loaded and converted to bf16 and summed (no dot); the shipped dot; the dot on the
-  E4M3 values converted to fp16 with the queries in fp16 (one conversion a pair, not three; numerics differ).
+  pipeline depths (``num_stages``), tiles and warps; ``--operands``: FP8 keys against bf16 or fp16 operands;
+  ``--padded``: FP8 key rows padded to 144 B (16-byte aligned codes; a layout not shipped);
+* ``--stages-dropped``: stage-dropping copies of its FP8 loop (``MODE``): the key bytes loaded and summed as
+  integers (no conversion, no dot: the load path alone); loaded and converted to bf16 and summed (no dot); the dot
+  on bf16 operands; the dot on the E4M3 values converted to fp16 with the queries cast to fp16 (unscaled).
 
 Each timed alone (L2 flushed) against its bytes floor (every key row read once as stored, the scores written),
 FP8 outputs checked against the shipped kernel. One JSON line a case.
@@ -111,8 +112,8 @@ def shipped(
             q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0),
             table, table.stride(0), lengths, lengths, scores, scores.stride(0), width, 0.1,
             HEADS=q.shape[1], BLOCK_HEADS=q.shape[1], DIM=q.shape[2], BLOCK_KEYS=block_keys, TILES=tiles,
-            HAS_TABLE=True,
-            TABLE_ROWS=False, KEYS_FP8=fp8, FP16_OPERANDS=fp8 if fp16 is None else fp16, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1] if fp8 else 0,
+            HAS_TABLE=True, TABLE_ROWS=False, KEYS_FP8=fp8, FP16_OPERANDS=fp8 if fp16 is None else fp16,
+            SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1] if fp8 else 0,
             DOT_PRECISION="tf32", UPCAST_DOT=False, num_warps=warps, **extra,
         )  # fmt: skip
         return scores
@@ -175,7 +176,8 @@ def main() -> None:
                 error = ((out - expected).norm() / expected.norm()).item() if fp8 else None
                 us = timer.graph_us(run)
                 record({"kernel": "shipped", "batch": batch, "fp8": fp8, "stages": stages, "fp16_operands": fp16,
-                        "us": us, "floor_us": floor, "of_floor": floor / us, "error_vs_bf16_operands": error})  # fmt: skip
+                        "us": us, "floor_us": floor, "of_floor": floor / us,
+                        "error_vs_bf16_operands": error})  # fmt: skip
         return
     if args.padded:
         for batch in (64, 256):

@@ -71,7 +71,7 @@ def index_scores(
         lengths, scores, scores.stride(0), width, scale,
         HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
         TILES=tiles, HAS_TABLE=table is not None, TABLE_ROWS=table_row is not None, KEYS_FP8=fp8,
-        FP16_OPERANDS=fp8 and q.dtype == torch.bfloat16,
+        FP16_OPERANDS=fp8 and q.dtype == torch.bfloat16 and keys_format.scales == 1,  # keys of one scale block
         SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
         ROW_BYTES=keys_format.row_bytes if fp8 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,

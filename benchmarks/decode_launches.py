@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 from sglang_dsv4.config import named_config
-from sglang_dsv4.kernels import topk
+from sglang_dsv4.kernels import indexer, topk
+from sglang_dsv4.kernels.indexer import exact_top_k
+from sglang_dsv4.kernels.sparse_torch import top_k_earliest_ties
 from sglang_dsv4.kernels.attention import choose_splits, launch_shape, sparse_decode_attention
 from sglang_dsv4.kernels.indexer import index_scores, index_scores_reference
 from sglang_dsv4.kernels.sparse_torch import sparse_decode_attention_reference
@@ -77,10 +79,12 @@ def bench_top_k(timer: Timer, rows: int, width: int, k: int = 512) -> dict:
     expected = topk.top_k_reference(scores, lengths, k)
     row = {"rows": rows, "width": width, "torch_us": timer.graph_us(partial(topk.top_k_reference, scores, lengths, k))}
     variants = {"three_launch": partial(topk.top_k, scores, lengths, k)}
-    if width <= topk.WHOLE_ROW_MAX_WIDTH:
-        for warps in (4, 8, 16, 32):
-            variants[f"whole_row_w{warps}"] = partial(topk.whole_row_top_k, scores, lengths, k, num_warps=warps)
+    variants["step"] = partial(exact_top_k, scores, lengths, k)
+    if width <= indexer.WHOLE_ROW_TOP_K_MAX_WIDTH:
         variants["whole_row"] = partial(topk.whole_row_top_k, scores, lengths, k)
+    else:
+        for warps in (4, 8, 16):
+            variants[f"wide_row_w{warps}"] = partial(topk.wide_row_top_k, scores, lengths, k, num_warps=warps)
     for name, run in variants.items():
         try:
             row[f"{name}_exact"] = same_sets(run(), expected, scores)
@@ -88,6 +92,46 @@ def bench_top_k(timer: Timer, rows: int, width: int, k: int = 512) -> dict:
         except Exception as error:  # noqa: BLE001 - a variant that does not launch reports why
             row[f"{name}_error"] = repr(error)[:200]
     return row
+
+
+def earliest_ties_on_device(rows: int = 8, width: int = 32769, k: int = 512) -> dict:
+    """Every Triton top-k on rows built to tie at the k-th place (small integers; ReLU zeros with fewer than k
+    positive; all equal; a run of equal high scores), against the CPU's earliest-slot rule
+    (:func:`.sparse_torch.top_k_earliest_ties`)."""
+    generator = torch.Generator().manual_seed(3)
+    kinds = [
+        torch.randint(0, 4, (width,), generator=generator).float(),
+        torch.where(torch.rand(width, generator=generator) < k / (3 * width), torch.rand(width, generator=generator), 0),
+        torch.zeros(width),
+        torch.cat([torch.randn(width // 2, generator=generator), torch.full((width - width // 2,), 9.0)]),
+    ]
+    scores = torch.stack([kinds[r % 4] for r in range(rows)])
+    lengths = torch.randint(width // 2, width + 1, (rows,), generator=generator, dtype=torch.int32)
+    expected = []
+    for r in range(rows):
+        _, slots = top_k_earliest_ties(scores[r : r + 1, : int(lengths[r])], k)
+        expected.append(sorted(slots[0].tolist()))
+    on_device, device_lengths = scores.to(DEVICE), lengths.to(DEVICE)
+    unrelated = topk.top_k(torch.randn_like(on_device), device_lengths, k)
+    narrow, narrow_lengths = on_device[:, :8193].contiguous(), device_lengths.clamp(max=8193)
+    paths = {
+        "wide_row": partial(topk.wide_row_top_k, on_device, device_lengths, k),
+        "three_launch": partial(topk.top_k, on_device, device_lengths, k),
+        "temporal": partial(topk.temporal_top_k, on_device, device_lengths, k, unrelated),
+        "whole_row_8193": partial(topk.whole_row_top_k, narrow, narrow_lengths, k),
+    }
+    result = {"rows": rows, "width": width, "k": k}
+    for name, run in paths.items():
+        chosen = run().cpu()
+        if name == "whole_row_8193":
+            want = [
+                sorted(top_k_earliest_ties(scores[r : r + 1, : min(int(lengths[r]), 8193)], k)[1][0].tolist())
+                for r in range(rows)
+            ]
+        else:
+            want = expected
+        result[name] = all(sorted(chosen[r].tolist()) == want[r] for r in range(rows))
+    return result
 
 
 def bench_splits(timer: Timer, batch: int, compressed_rows: int) -> dict:
@@ -167,7 +211,7 @@ def main() -> None:
     args = parser.parse_args()
     sections = args.sections.split(",")
     timer = Timer(budget_ms=100)
-    results: dict[str, list] = {section: [] for section in sections}
+    results: dict[str, list] = {section: [] for section in sections + ["ties"]}
 
     def record(section: str, row: dict) -> None:
         results[section].append(row)
@@ -177,8 +221,9 @@ def main() -> None:
             (args.out / "decode_launches.json").write_text(json.dumps(results, indent=1))
 
     if "top_k" in sections:
-        for rows in (1, 8, 64, 256):
-            for width in (2049, 8193, 32769, 262145):
+        record("ties", earliest_ties_on_device())
+        for rows in (1, 64, 256):
+            for width in (8193, 16385, 32769, 65537, 131073, 262145):
                 record("top_k", bench_top_k(timer, rows, width))
     if "splits" in sections:
         for batch in (1, 8, 64):

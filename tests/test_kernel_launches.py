@@ -171,17 +171,22 @@ def test_low_rank_query_norm_fits_in_every_dtype(hopper, model, dtype):
 
 @pytest.mark.parametrize("width", [2049, 16384, 32769])
 def test_top_k_fits_at_decode_widths(hopper, width):
-    """The whole-row select up to its widest rule width (writing slots, and writing entry rows and counts), and the
-    three-launch top-k, at k = 512."""
+    """The three-launch top-k, and the select the step's rule takes at the width (writing slots, and writing entry
+    rows and counts, at both warp counts it picks): the whole-row select up to its widest rule width, the wide-row
+    select at a 128K context's 32,769 scores; k = 512."""
     from sglang_dsv4.kernels import topk
 
     scores, lengths = torch.zeros(2, width), torch.full((2,), width, dtype=torch.int32)
+    table, table_row = torch.zeros(3, width, dtype=torch.int64), torch.tensor([2, 0])
     before = len(hopper.compiled)
     topk.top_k(scores, lengths, 512)
     if width <= 16384:
         topk.whole_row_top_k(scores, lengths, 512)
-        topk.whole_row_top_k_rows(scores, lengths, 512, torch.zeros(3, width, dtype=torch.int64), torch.tensor([2, 0]))
-    assert_fits(hopper, before, 5 if width <= 16384 else 3)
+        topk.whole_row_top_k_rows(scores, lengths, 512, table, table_row)
+    else:
+        topk.wide_row_top_k(scores, lengths, 512, num_warps=16)
+        topk.wide_row_top_k_rows(scores, lengths, 512, table, table_row, num_warps=8)
+    assert_fits(hopper, before, 5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -147,6 +147,33 @@ def test_scores_without_a_table_read_the_pool_in_order(indexer):
     assert torch.equal(plain, indexer.index_scores(q, weights, keys, lengths, scale=0.2, table=in_order))
 
 
+@interpreted_only
+@pytest.mark.parametrize("magnitude", [1e-7, 1.0, 3e6])
+def test_scores_of_fp8_keys_against_bf16_queries_in_fp16_operands(indexer, poisoned, magnitude):
+    """bf16 queries over FP8 keys go through fp16 operands, each query row scaled by a power of two into fp16's
+    range: exact operands, so the scores are the float64 reference's to float32 accumulation, at query magnitudes
+    that would underflow or overflow fp16 unscaled (a component spread of 2**-12 within each row)."""
+    generator = torch.Generator().manual_seed(int(magnitude * 1e7) % 1000)
+    rows, heads, dim, pool_rows, width = 3, 16, 128, 50, 37
+    row_format = Fp8KeyRows(dim)
+    spread = torch.exp2(-12 * torch.rand(rows, heads, dim, generator=generator))
+    q = (torch.randn(rows, heads, dim, generator=generator) * spread * magnitude).to(torch.bfloat16)
+    weights = torch.randn(rows, heads, generator=generator)
+    keys = row_format.encode(torch.randn(pool_rows, dim, generator=generator))
+    table = torch.randint(0, pool_rows, (rows, width), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([width, 20, 0], dtype=torch.int32)
+
+    scores = indexer.index_scores(q, weights, keys, lengths, scale=dim**-0.5, table=table, keys_format=row_format)
+
+    decoded = row_format.decode(keys, torch.float64)
+    expected = indexer.index_scores_reference(
+        q.double(), weights.double(), decoded, lengths, scale=dim**-0.5, table=table
+    )
+    visible = torch.isfinite(expected)
+    assert torch.equal(torch.isneginf(scores), ~visible)
+    assert relative_error(scores[visible], expected[visible]) < 1e-5
+
+
 # rows, width, k: short rows, rows shorter than k, widths past the sample and past one keeping block
 TOPK_CASES = [(3, 50, 7), (4, 5003, 16), (2, 20011, 40), (3, 9000, 600)]
 
@@ -257,6 +284,98 @@ def test_top_k_with_candidates_crowded_into_one_block(topk, poisoned):
     assert_same_sets(topk.top_k(scores, lengths, 64), scores, lengths, 64)
 
 
+def assert_earliest_ties(chosen: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    """Row by row: the chosen slots are the torch top-k's with the earliest of equal scores
+    (:func:`.sparse_torch.top_k_earliest_ties`), then ``-1``."""
+    from sglang_dsv4.kernels.sparse_torch import top_k_earliest_ties
+
+    assert not (chosen == UNWRITTEN).any(), "an output slot was never written"
+    for row in range(chosen.shape[0]):
+        length = int(lengths[row])
+        count = min(k, length)
+        assert (chosen[row, count:] == -1).all(), f"row {row}"
+        _, expected = top_k_earliest_ties(scores[row : row + 1, :length], count)
+        assert sorted(chosen[row, :count].tolist()) == sorted(expected[0].tolist()), f"row {row}"
+
+
+def tied_rows(generator: torch.Generator, rows: int, width: int, k: int) -> torch.Tensor:
+    """Rows that tie at the k-th place: small integers; ReLU'd scores with fewer than k positive (a tie at 0
+    across the row); all equal; random floats with a run of equal high scores."""
+    kinds = [
+        torch.randint(0, 4, (width,), generator=generator).float(),
+        torch.rand(width, generator=generator) * (torch.rand(width, generator=generator) < k / (3 * width)),
+        torch.zeros(width),
+        torch.cat([torch.randn(width // 2, generator=generator), torch.full((width - width // 2,), 9.0)]),
+    ]
+    return torch.stack([kinds[row % len(kinds)] for row in range(rows)])
+
+
+# rows, width, k, the select's chunk, its candidate places (None: the shipped rule): past one chunk and within it;
+# the candidates in registers, overflowing (a row of ties: the threshold is the k-th score) and fewer places than k
+# (the select streams over the row); V4's k at a 128K row's width.
+WIDE_ROW_CASES = [
+    (4, 5003, 16, 4096, None),
+    (4, 3001, 40, 256, None),
+    (4, 3001, 24, 256, 16),
+    (2, 3001, 300, 1024, None),
+    (2, 32769, 512, 4096, None),
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("rows, width, k, chunk, candidates", WIDE_ROW_CASES)
+def test_wide_row_top_k_takes_the_earliest_ties(topk, poisoned, monkeypatch, rows, width, k, chunk, candidates):
+    """The wide-row select on random rows (rows shorter than k, empty) and on rows built to tie: the torch top-k's
+    choice with the earliest of equal scores, on every path."""
+    monkeypatch.setattr(topk, "WIDE_CHUNK", chunk)
+    if candidates is not None:
+        shape = topk.wide_row_shape
+        monkeypatch.setattr(topk, "wide_row_shape", lambda k: (shape(k)[0], candidates))
+    generator = torch.Generator().manual_seed(width + k)
+    scores = torch.cat([torch.randn(rows, width, generator=generator), tied_rows(generator, rows, width, k)])
+    lengths = torch.randint(k, width + 1, (2 * rows,), generator=generator, dtype=torch.int32)
+    lengths[0], lengths[1], lengths[rows] = width, min(k, width) - 1, width
+    if rows > 2:
+        lengths[2] = 0
+    assert_earliest_ties(topk.wide_row_top_k(scores, lengths, k), scores, lengths, k)
+
+
+@interpreted_only
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_wide_row_top_k_rows_write_the_tables_rows_at_the_chosen_slots(topk, poisoned, monkeypatch, table_dtype):
+    """The wide-row select writing ``table[table_row[r], slot]`` and the count, through each of its paths."""
+    monkeypatch.setattr(topk, "WIDE_CHUNK", 512)
+    generator = torch.Generator().manual_seed(6)
+    width, k = 2049, 64
+    scores = torch.cat([torch.randn(3, width, generator=generator), tied_rows(generator, 4, width, k)])
+    lengths = torch.tensor([width, 0, 63, width, width, 2000, 1999], dtype=torch.int32)
+    table = torch.randint(0, 10**6, (3, width + 5), generator=generator).to(table_dtype)
+    table_row = torch.tensor([1, 0, 2, 2, 0, 1, 1])
+    chosen = topk.wide_row_top_k(scores, lengths, k)
+    entry_rows, counts = topk.wide_row_top_k_rows(scores, lengths, k, table, table_row)
+    assert_earliest_ties(chosen, scores, lengths, k)
+    assert counts.dtype == torch.int32 and counts.tolist() == lengths.clamp(max=k).tolist()
+    expected = torch.where(chosen >= 0, table[table_row[:, None], chosen.clamp(min=0).long()], -1).to(torch.int32)
+    assert entry_rows.dtype == torch.int32 and torch.equal(entry_rows, expected)
+
+
+@interpreted_only
+def test_three_launch_and_temporal_top_k_take_the_earliest_ties(topk, poisoned):
+    """The three-launch top-k and its temporal variant on rows built to tie (within one keeping block's segment,
+    and crowded into one block so that the select reads its candidates in several chunks): the earliest ties."""
+    generator = torch.Generator().manual_seed(8)
+    rows, width, k = 4, 5003, 16
+    scores = tied_rows(generator, rows, width, k)
+    lengths = torch.tensor([width, width - 7, 4000, width], dtype=torch.int32)
+    assert_earliest_ties(topk.top_k(scores, lengths, k), scores, lengths, k)
+    previous = topk.top_k_reference(torch.randn(rows, width, generator=generator), lengths, k)
+    assert_earliest_ties(topk.temporal_top_k(scores, lengths, k, previous), scores, lengths, k)
+    crowded = torch.randn(1, 300_000, generator=generator)
+    crowded[0, 1024 * 11 - 124 : 1024 * 11 + 76] = 6.0  # 200 equal scores over two keeping blocks, the top 100 ...
+    lengths = torch.tensor([300_000], dtype=torch.int32)  # ... all in the first
+    assert_earliest_ties(topk.top_k(crowded, lengths, 100), crowded, lengths, 100)
+
+
 @interpreted_only
 @pytest.mark.parametrize("previous_kind", ["last step", "stale", "useless"])
 def test_temporal_top_k_is_torch_topk_whatever_the_previous_selection(topk, poisoned, previous_kind):
@@ -274,16 +393,15 @@ def test_temporal_top_k_is_torch_topk_whatever_the_previous_selection(topk, pois
 
 
 def force_top_k(indexer, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    """Make :func:`exact_top_k` take ``path`` at any size: ``whole_row``, ``three_launch`` or ``torch``."""
+    """Make :func:`exact_top_k` take ``path`` at any size: ``whole_row``, ``wide_row`` or ``three_launch``."""
     if path != "whole_row":
         monkeypatch.setattr(indexer, "WHOLE_ROW_TOP_K_MAX_WIDTH", -1)
     if path == "three_launch":
-        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_ROWS", 0)
-        monkeypatch.setattr(indexer, "TRITON_TOP_K_MIN_WIDTH", 0)
+        monkeypatch.setattr(indexer, "WIDE_ROW_TOP_K_MAX_WIDTH", -1)
 
 
 @interpreted_only
-@pytest.mark.parametrize("path", ["whole_row", "three_launch"])
+@pytest.mark.parametrize("path", ["whole_row", "wide_row", "three_launch"])
 def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch, path):
     """``select_visible`` (what the indexer runs on CUDA), through each Triton top-k, against ``Indexer.select``."""
     config = parse_config(dict(TINY_CONFIG))
@@ -314,14 +432,14 @@ def test_network_selection_matches_the_models_torch_path(indexer, monkeypatch, p
 
 @interpreted_only
 # One row tile, and two (the second partial); each tile's top-k by the whole-row select (the rule at these
-# widths), or forced: torch.topk, the three-launch Triton top-k.
+# widths), or forced: the wide-row select, the three-launch Triton top-k.
 @pytest.mark.parametrize(
     "rows,k,top_k_path,fp8_keys",
     [
         (7, 6, "whole_row", False),
         (300, 4, "whole_row", False),
-        (7, 6, "torch", False),
-        (300, 4, "torch", False),
+        (7, 6, "wide_row", False),
+        (300, 4, "wide_row", False),
         (7, 6, "three_launch", False),
         (7, 6, "whole_row", True),
     ],

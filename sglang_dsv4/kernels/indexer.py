@@ -19,7 +19,20 @@ import triton.language as tl
 from .fp8_rows import fp8_key_rows
 from .interpreter import INTERPRETED, dot
 from .kv_format import Fp8KeyRows, RowFormat
-from .topk import temporal_top_k, top_k, top_k_reference, whole_row_top_k, whole_row_top_k_rows
+from .topk import (
+    temporal_top_k,
+    top_k,
+    whole_row_top_k,
+    whole_row_top_k_rows,
+    wide_row_top_k,
+    wide_row_top_k_rows,
+)
+
+
+# FP8 keys without software pipelining: their bytes go from the load to the conversion in registers rather than
+# through a shared-memory stage first (1,139 -> 1,003 µs at batch 256, 128K on the H200), and against bf16 queries
+# in fp16 operands (:func:`_fp16_queries`; -17% more there): NOTES "FP8 indexer scoring profiled".
+FP8_KEYS_LAUNCH = {"num_stages": 1}
 
 
 def index_scores(
@@ -58,10 +71,11 @@ def index_scores(
         lengths, scores, scores.stride(0), width, scale,
         HEADS=heads, BLOCK_HEADS=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_KEYS=block_keys,
         TILES=tiles, HAS_TABLE=table is not None, TABLE_ROWS=table_row is not None, KEYS_FP8=fp8,
+        FP16_OPERANDS=fp8 and q.dtype == torch.bfloat16 and keys_format.scales == 1,  # keys of one scale block
         SCALE_OFFSET=keys_format.scale_offset if fp8 else 0,
         ROW_BYTES=keys_format.row_bytes if fp8 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32", UPCAST_DOT=INTERPRETED,
-        num_warps=4,
+        num_warps=4, **FP8_KEYS_LAUNCH if fp8 else {},
     )  # fmt: skip
     return scores
 
@@ -109,34 +123,45 @@ def select_entries(
     return temporal_top_k(scores, lengths, k, previous)
 
 
-# Measured on the H200 (benchmarks/NOTES.md, "Fixed costs of a small decode step"): the one-launch whole-row
-# select beats torch.topk up to rows of 16K scores (3-4x at the 2,049 of an 8K context), the three-launch
-# Triton top-k from 64 rows of 128K scores, torch.topk in between.
+# Measured on the H200 (benchmarks/NOTES.md, "Fixed costs of a small decode step" and "The wide-row select"): the
+# one-launch whole-row select up to rows of 16K scores (3-4x torch.topk at the 2,049 of an 8K context), the
+# one-launch wide-row select above that (2.0-3.3x torch.topk at the 32,769 of a 128K context, 1.3-1.7x the
+# three-launch top-k), the three-launch Triton top-k from 65,537 (1.2-3.8x the wide-row select there). The
+# boundary between the last two lies between the widths measured.
 WHOLE_ROW_TOP_K_MAX_WIDTH = 1 << 14
-TRITON_TOP_K_MIN_ROWS, TRITON_TOP_K_MIN_WIDTH = 64, 1 << 17
+WIDE_ROW_TOP_K_MAX_WIDTH = 3 << 14
 
 
 def exact_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``: the whole-row
-    Triton select up to ``WHOLE_ROW_TOP_K_MAX_WIDTH`` scores a row, the three-launch Triton top-k from
-    ``TRITON_TOP_K_MIN_ROWS`` rows of ``TRITON_TOP_K_MIN_WIDTH`` (both in no set order), ``torch.topk`` (best
-    first) between. All exact and graph-capturable; the choice reads shapes only."""
+    """Slots of the ``k`` largest of ``scores[r, :lengths[r]]``, ``[rows, k]`` int32, then ``-1``, of equal scores
+    the earliest slots (:func:`.sparse_torch.top_k_earliest_ties`'s choice, in no set order): the whole-row
+    Triton select up to ``WHOLE_ROW_TOP_K_MAX_WIDTH`` scores a row, the wide-row select up to
+    ``WIDE_ROW_TOP_K_MAX_WIDTH``, the three-launch Triton top-k above. All exact and graph-capturable; the choice
+    reads shapes only."""
     if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
         return whole_row_top_k(scores, lengths, k)
-    if scores.shape[0] >= TRITON_TOP_K_MIN_ROWS and scores.shape[1] >= TRITON_TOP_K_MIN_WIDTH:
-        return top_k(scores, lengths, k)
-    return top_k_reference(scores, lengths, k)
+    if scores.shape[1] <= WIDE_ROW_TOP_K_MAX_WIDTH:
+        return wide_row_top_k(scores, lengths, k, num_warps=_wide_row_warps(scores))
+    return top_k(scores, lengths, k)
+
+
+def _wide_row_warps(scores: torch.Tensor) -> int:
+    """16 warps while the rows leave multiprocessors idle, else 8 (the best of 4, 8 and 16 at 1, 64 and 256 rows of
+    16K-256K scores on the H200)."""
+    return 16 if scores.shape[0] < 128 else 8
 
 
 def top_k_entry_rows(
     scores: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor, table_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`exact_top_k` written as the rows its slots stand for, ``table[table_row[r], j]`` ``[rows, k]`` int32
-    (then -1, or past the choice never read), and how many each row chose ``[rows]`` int32: the whole-row select
-    writes both in its launch (:func:`.topk.whole_row_top_k_rows`); the other top-ks' slots go through
-    :func:`.chosen_rows.chosen_entry_rows`."""
+    (then -1, or past the choice never read), and how many each row chose ``[rows]`` int32: the one-launch selects
+    write both in their launch (:func:`.topk.whole_row_top_k_rows`, :func:`.topk.wide_row_top_k_rows`); the
+    three-launch top-k's slots go through :func:`.chosen_rows.chosen_entry_rows`."""
     if scores.shape[1] <= WHOLE_ROW_TOP_K_MAX_WIDTH:
         return whole_row_top_k_rows(scores, lengths, k, table, table_row)
+    if scores.shape[1] <= WIDE_ROW_TOP_K_MAX_WIDTH:
+        return wide_row_top_k_rows(scores, lengths, k, table, table_row, num_warps=_wide_row_warps(scores))
     from .chosen_rows import chosen_entry_rows
 
     return chosen_entry_rows(table, table_row, exact_top_k(scores, lengths, k))
@@ -191,12 +216,28 @@ def _check_inputs(
 
 
 @triton.jit
+def _fp16_queries(q):
+    """bf16 queries as fp16 times a power of two ``(q16, scale)``, ``q = q16 * scale``: the row scaled so that its
+    largest magnitude lies in ``[2**14, 2**15)``, inside fp16's range, where fp16's 11 significant bits hold every
+    bf16 value exactly; only components under ``2**-14`` of that scale lose bits (an error under ``2**-39`` of the
+    largest)."""
+    q32 = q.to(tl.float32)
+    largest = tl.max(tl.max(tl.abs(q32), 1), 0)
+    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(largest)), normal values
+    shift = tl.where(largest > 0, tl.minimum(tl.maximum(exponent - 14, -100), 100), 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift, exactly
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (q32 * down).to(tl.float16), up
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, q_row_stride, q_head_stride, weights_ptr, weights_row_stride, keys_ptr, keys_row_stride,
     table_ptr, table_row_stride, table_row_ptr, lengths_ptr, scores_ptr, scores_row_stride, width, scale,
     HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr,
     TILES: tl.constexpr, HAS_TABLE: tl.constexpr, TABLE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+    FP16_OPERANDS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -209,6 +250,8 @@ def _index_scores_kernel(
     )
     weights = tl.load(weights_ptr + row * weights_row_stride + heads, mask=head_ok, other=0.0) * scale
     length = tl.load(lengths_ptr + row)
+    if FP16_OPERANDS:
+        q16, q_scale = _fp16_queries(q)
     table_row = row.to(tl.int64)
     if TABLE_ROWS:
         table_row = tl.load(table_row_ptr + row).to(tl.int64)
@@ -219,7 +262,10 @@ def _index_scores_kernel(
             key_rows = tl.load(table_ptr + table_row * table_row_stride + slots, mask=visible, other=0).to(tl.int64)
         else:
             key_rows = slots.to(tl.int64)
-        if KEYS_FP8:  # the E4M3 values in q's dtype, each key's scale applied to its dot products
+        if FP16_OPERANDS:  # the E4M3 values in fp16 (one conversion a pair), against the row's fp16 queries
+            k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, tl.float16)
+            dots = dot(k, tl.trans(q16), DOT_PRECISION, UPCAST_DOT) * (key_scales * q_scale)[:, None]
+        elif KEYS_FP8:  # the E4M3 values in q's dtype, each key's scale applied to its dot products
             k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, q.dtype)
             dots = dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * key_scales[:, None]
         else:

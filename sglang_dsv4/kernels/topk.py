@@ -15,10 +15,14 @@ CUDA graph):
    the first digit whose keys are all taken) finds the cut under the k largest exactly;
    otherwise, rarely, the same select streams over the whole row.
 
-Either way the result is exactly :func:`torch.topk`'s set (up to which of equal scores
-at the k-th place are taken). Output: ``[rows, k]`` int32 slots, a row's
-``min(k, length)`` chosen slots first in no particular order, then ``-1``. What each
-step costs on the H200 is in benchmarks/RESULTS.md.
+Either way the result is exactly :func:`torch.topk`'s set, and of equal scores at the k-th place the
+earliest slots are taken (:func:`.sparse_torch.top_k_earliest_ties`'s rule): every select below meets its
+candidates in slot order where it takes ties. Output: ``[rows, k]`` int32 slots, a row's ``min(k, length)``
+chosen slots first in no particular order, then ``-1``. What each step costs on the H200 is in
+benchmarks/RESULTS.md.
+
+:func:`whole_row_top_k` (one launch, the row in registers) serves rows up to 16,384 scores, and
+:func:`wide_row_top_k` (one launch, a threshold from group maxima, the candidates compacted) wider ones.
 """
 
 from __future__ import annotations
@@ -108,6 +112,67 @@ def whole_row_warps(block: int) -> int:
     return 8 if block <= 4096 else 32
 
 
+# The wide-row select: the row read ``WIDE_CHUNK`` scores at a time; a row's candidates held in registers.
+WIDE_CHUNK = 4096
+
+
+def wide_row_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, num_warps: int = 8) -> torch.Tensor:
+    """:func:`top_k` in one launch for rows of any width, one program a row, the row read three times at most:
+
+    1. the maxima of ``G >= k`` strided groups (group ``g``: slots ``g, g + G, ...``); the k-th largest
+       maximum ``t`` (the radix select over ``G`` places) has at least ``k`` scores at or above it;
+    2. the scores at or above ``t`` compacted, in slot order, into a scratch row of ``C`` places (about 1.4k of
+       them on random scores), counting those at and above ``t``;
+    3. the radix select over the candidates in registers, which takes the earliest ties (they are in slot
+       order). If more than ``C`` cleared ``t`` but fewer than ``k`` exceed it, ``t`` is the k-th largest: the
+       scores above it and the earliest ties are written in one more pass (a row of equal scores); otherwise,
+       rarely, the select streams over the row.
+    """
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    _launch_wide_row(scores, lengths, k, out, None, None, None, num_warps)
+    return out
+
+
+def wide_row_top_k_rows(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    table: torch.Tensor,
+    table_row: torch.Tensor,
+    *,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`wide_row_top_k` written as the table's rows, as :func:`whole_row_top_k_rows` writes them."""
+    if table.stride(1) != 1 or table_row.shape != (scores.shape[0],):
+        raise ValueError(f"table needs a contiguous last dim and table_row [{scores.shape[0]}]")
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
+    _launch_wide_row(scores, lengths, k, out, table, table_row, counts, num_warps)
+    return out, counts
+
+
+def wide_row_shape(k: int) -> tuple[int, int]:
+    """Groups and candidate places of the wide-row select for ``k``: ``2k`` groups, ``4k`` places (powers of two)."""
+    groups = max(16, triton.next_power_of_2(2 * k))
+    return groups, max(1024, triton.next_power_of_2(4 * k))
+
+
+def _launch_wide_row(scores, lengths, k, out, table, table_row, counts, num_warps) -> None:
+    _check_inputs(scores, lengths, k)
+    rows = scores.shape[0]
+    if rows:
+        groups, candidates = wide_row_shape(k)
+        kept_keys = torch.empty(rows, candidates, dtype=torch.int32, device=scores.device)
+        kept_slots = torch.empty(rows, candidates, dtype=torch.int32, device=scores.device)
+        _wide_row_kernel[(rows,)](
+            scores, scores.stride(0), lengths, out, out.stride(0), k, kept_keys, kept_slots,
+            out if table is None else table, 0 if table is None else table.stride(0),
+            lengths if table_row is None else table_row, lengths if counts is None else counts,
+            GROUPS=groups, GROUP_ROWS=max(1, WIDE_CHUNK // groups), CHUNK=WIDE_CHUNK, CANDIDATES=candidates,
+            BLOCK_K=triton.next_power_of_2(k), TABLE=table is not None, num_warps=num_warps,
+        )  # fmt: skip
+
+
 def temporal_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, previous: torch.Tensor) -> torch.Tensor:
     """:func:`top_k`, with the threshold taken from ``previous`` (``[rows, >= k]`` int32 slots, ``-1`` for none).
 
@@ -129,7 +194,9 @@ def temporal_top_k(scores: torch.Tensor, lengths: torch.Tensor, k: int, previous
 
 
 def top_k_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """The same in torch: ``torch.topk`` of the visible scores, ``-1`` where a row has fewer than ``k``."""
+    """The same set in torch: ``torch.topk`` of the visible scores (best first; of equal scores at the k-th place
+    any), ``-1`` where a row has fewer than ``k``. The baseline the kernels are timed and checked against; no
+    served path takes it (:func:`.indexer.exact_top_k`)."""
     width = scores.shape[1]
     visible = torch.arange(width, device=scores.device)[None, :] < lengths[:, None]
     masked = scores.masked_fill(~visible, float("-inf"))
@@ -165,7 +232,7 @@ def _keep_and_select(scores: torch.Tensor, lengths: torch.Tensor, k: int, thresh
     _select_kernel[(rows,)](
         scores, scores.stride(0), lengths, kept_scores, kept_slots, kept_counts, out, out.stride(0), k, segments,
         SEGMENT=SEGMENT, SEGMENT_BLOCK=segment_block, SEGMENT_CHUNK=max(16, SELECT_TILE // segment_block),
-        BLOCK_K=triton.next_power_of_2(k), num_warps=8,
+        BLOCK_K=triton.next_power_of_2(k), SEGMENTS_PER_CHUNK=max(1, SELECT_TILE // SEGMENT), num_warps=8,
     )  # fmt: skip
     return out
 
@@ -306,6 +373,22 @@ def _candidates(
 
 
 @triton.jit
+def _segments_in_slot_order(
+    kept_scores_row, kept_slots_row, counts_row, segments, chunk, SEGMENT: tl.constexpr, SEGMENTS: tl.constexpr
+):  # fmt: skip
+    """Segments ``chunk * SEGMENTS ..`` of a row's kept candidates, whole, as ``(keys, slots, valid)`` in slot
+    order."""
+    segment = chunk * SEGMENTS + tl.arange(0, SEGMENTS)
+    counts = tl.load(counts_row + segment, mask=segment < segments, other=0)
+    column = tl.arange(0, SEGMENT)[None, :]
+    valid = tl.reshape(column < counts[:, None], (SEGMENTS * SEGMENT,))
+    places = tl.reshape(segment[:, None] * SEGMENT + column, (SEGMENTS * SEGMENT,))
+    values = tl.load(kept_scores_row + places, mask=valid, other=0.0)
+    slots = tl.load(kept_slots_row + places, mask=valid, other=0)
+    return _order_key(values), slots, valid
+
+
+@triton.jit
 def _sampled_threshold_kernel(
     scores_ptr, scores_row_stride, lengths_ptr, thresholds_ptr, k,
     RUNS: tl.constexpr, RUN: tl.constexpr, MARGIN: tl.constexpr, EXTRA: tl.constexpr,
@@ -398,8 +481,13 @@ def _select_kernel(
     scores_ptr, scores_row_stride, lengths_ptr, kept_scores_ptr, kept_slots_ptr, kept_counts_ptr,
     out_ptr, out_row_stride, k, segments,
     SEGMENT: tl.constexpr, SEGMENT_BLOCK: tl.constexpr, SEGMENT_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEGMENTS_PER_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Write the row's top-k slots: from its kept segments when they verify, else by streaming the row."""
+    """Write the row's top-k slots: from its kept segments when they verify, else by streaming the row.
+
+    In one chunk the candidates are in slot order (segment by segment, each segment's kept scores in order); over
+    several chunks the digits are counted chunk by chunk (columns of every segment) and the writes then read whole
+    segments in order, so the earliest ties are taken either way."""
     row = tl.program_id(0)
     length, k_eff, out_row = _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K)
     if length <= k:
@@ -446,14 +534,26 @@ def _select_kernel(
                     d0, d1, d2, d3 = _unpack_counts(_digit_counts(keys, valid, key, p))
                     c0, c1, c2, c3 = c0 + d0, c1 + d1, c2 + d2, c3 + d3
                 key, ties, _holding = _choose_digit(c0, c1, c2, c3, ties, key, p)
-            for chunk in range(chunks):
-                keys, slots, valid = _candidates(
-                    scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
-                    SEGMENT, SEGMENT_BLOCK, SEGMENT_CHUNK,
-                )  # fmt: skip
-                written_above, written_ties = _write_chosen(
-                    out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties
-                )
+            # The writes meet the candidates in slot order (whole segments, in order), so that the earliest ties
+            # are taken.
+            if from_segments:
+                for chunk in range(tl.cdiv(segments, SEGMENTS_PER_CHUNK)):
+                    keys, slots, valid = _segments_in_slot_order(
+                        kept_scores_row, kept_slots_row, kept_counts_ptr + first_segment, segments, chunk,
+                        SEGMENT, SEGMENTS_PER_CHUNK,
+                    )  # fmt: skip
+                    written_above, written_ties = _write_chosen(
+                        out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties
+                    )
+            else:
+                for chunk in range(chunks):
+                    keys, slots, valid = _candidates(
+                        scores_row, length, kept_scores_row, kept_slots_row, counts, chunk, from_segments,
+                        SEGMENT, SEGMENT_BLOCK, SEGMENT_CHUNK,
+                    )  # fmt: skip
+                    written_above, written_ties = _write_chosen(
+                        out_row, keys, slots, valid, key, ties, k_eff, written_above, written_ties
+                    )
 
 
 @triton.jit
@@ -476,3 +576,105 @@ def _whole_row_kernel(
     if k_eff > 0:
         key, ties = _kth_largest_key(keys, valid, k_eff)
         _write_chosen(out_row, keys, written, valid, key, ties, k_eff, tl.zeros((), tl.int32), tl.zeros((), tl.int32))
+
+
+@triton.jit
+def _streamed_cut(scores_row, length, rank, CHUNK: tl.constexpr):
+    """:func:`_kth_largest_key`'s cut through a row read ``CHUNK`` scores at a time for each of the 16 digits."""
+    key = tl.zeros((), tl.int32)
+    ties = rank
+    for p in tl.static_range(16):
+        c0, c1, c2, c3 = tl.zeros((), tl.int32), tl.zeros((), tl.int32), tl.zeros((), tl.int32), tl.zeros((), tl.int32)
+        for first in range(0, length, CHUNK):
+            slots = first + tl.arange(0, CHUNK)
+            valid = slots < length
+            keys = _order_key(tl.load(scores_row + slots, mask=valid, other=0.0))
+            d0, d1, d2, d3 = _unpack_counts(_digit_counts(keys, valid, key, p))
+            c0, c1, c2, c3 = c0 + d0, c1 + d1, c2 + d2, c3 + d3
+        key, ties, _holding = _choose_digit(c0, c1, c2, c3, ties, key, p)
+    return key, ties
+
+
+@triton.jit
+def _wide_row_kernel(
+    scores_ptr, scores_row_stride, lengths_ptr, out_ptr, out_row_stride, k, kept_keys_ptr, kept_slots_ptr,
+    table_ptr, table_stride, table_row_ptr, counts_ptr,
+    GROUPS: tl.constexpr, GROUP_ROWS: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr,
+    BLOCK_K: tl.constexpr, TABLE: tl.constexpr,
+):  # fmt: skip
+    """One row's top-k slots (:func:`wide_row_top_k`); with ``TABLE``, the table's values at those slots and how
+    many."""
+    row = tl.program_id(0)
+    length, k_eff, out_row = _row_output(lengths_ptr, out_ptr, out_row_stride, row, k, BLOCK_K)
+    scores_row = scores_ptr + row.to(tl.int64) * scores_row_stride
+    table_base = table_ptr
+    if TABLE:
+        table_base = table_ptr + tl.load(table_row_ptr + row).to(tl.int64) * table_stride
+        tl.store(counts_ptr + row, k_eff)
+    if length <= k:  # every slot chosen
+        for first in range(0, length, BLOCK_K):
+            slots = first + tl.arange(0, BLOCK_K)
+            taken = slots < length
+            written = slots
+            if TABLE:
+                written = tl.load(table_base + slots, mask=taken, other=0).to(tl.int32)
+            tl.store(out_row + slots, written, mask=taken)
+    else:
+        # 1. The maxima of the strided groups, and the k-th largest of them: at least k scores are at or above it.
+        group = tl.arange(0, GROUPS)
+        places = tl.arange(0, GROUP_ROWS)[:, None] * GROUPS + group[None, :]
+        maxima = tl.full((GROUPS,), -0x7FFFFFFF - 1, tl.int32)
+        for first in range(0, length, GROUP_ROWS * GROUPS):
+            slots = first + places
+            valid = slots < length
+            keys = _order_key(tl.load(scores_row + slots, mask=valid, other=0.0))
+            maxima = tl.maximum(maxima, tl.max(tl.where(valid, keys, -0x7FFFFFFF - 1), 0))
+        cut, cut_ties = _kth_largest_key(maxima, group < length, k_eff)
+        threshold = tl.where(cut_ties > 0, cut, cut + 1)
+        # 2. The scores at or above it compacted in slot order; how many are at and above it.
+        kept_keys_row = kept_keys_ptr + row.to(tl.int64) * CANDIDATES
+        kept_slots_row = kept_slots_ptr + row.to(tl.int64) * CANDIDATES
+        kept = tl.zeros((), tl.int32)
+        above = tl.zeros((), tl.int32)
+        for first in range(0, length, CHUNK):
+            slots = first + tl.arange(0, CHUNK)
+            valid = slots < length
+            keys = _order_key(tl.load(scores_row + slots, mask=valid, other=0.0))
+            keep = (valid & (keys >= threshold)).to(tl.int32)
+            at = kept + tl.cumsum(keep, 0) - 1
+            fits = (keep != 0) & (at < CANDIDATES)
+            tl.store(kept_keys_row + at, keys, mask=fits)
+            tl.store(kept_slots_row + at, slots, mask=fits)
+            kept += tl.sum(keep, 0)
+            above += tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
+        tl.debug_barrier()  # the scratch row written above is read by other threads of the program below
+        # 3. The select over the candidates, or (rarely) over the row.
+        if kept <= CANDIDATES:
+            place = tl.arange(0, CANDIDATES)
+            valid = place < kept
+            keys = tl.load(kept_keys_row + place, mask=valid, other=0)
+            slots = tl.load(kept_slots_row + place, mask=valid, other=0)
+            written = slots
+            if TABLE:
+                written = tl.load(table_base + slots, mask=valid, other=0).to(tl.int32)
+            key, ties = _kth_largest_key(keys, valid, k_eff)
+            none = tl.zeros((), tl.int32)
+            _write_chosen(out_row, keys, written, valid, key, ties, k_eff, none, none)
+        else:
+            if above < k_eff:  # the threshold is the k-th largest score (a row of ties)
+                key = threshold
+                ties = k_eff - above
+            else:
+                key, ties = _streamed_cut(scores_row, length, k_eff, CHUNK)
+            written_above = tl.zeros((), tl.int32)
+            written_ties = tl.zeros((), tl.int32)
+            for first in range(0, length, CHUNK):
+                slots = first + tl.arange(0, CHUNK)
+                valid = slots < length
+                keys = _order_key(tl.load(scores_row + slots, mask=valid, other=0.0))
+                written = slots
+                if TABLE:
+                    written = tl.load(table_base + slots, mask=valid, other=0).to(tl.int32)
+                written_above, written_ties = _write_chosen(
+                    out_row, keys, written, valid, key, ties, k_eff, written_above, written_ties
+                )

@@ -1,0 +1,224 @@
+"""Our host work per resumed agent turn, against the session's history: the prefix cache's calls alone.
+
+    python benchmarks/host_work.py [--histories 2000,16000,64000,131072,1048576] [--before REV]
+
+A resumed turn costs the scheduler, in our code: the match of the resent prompt (:meth:`V4RadixCache.match_prefix`),
+binding the row to the checkpoint it resumes from (``maybe_hand_to_session``), and the checkpoints at the prompt's
+end and at the request's end (``checkpoint``: the insert, the row's slots, entry ownership, the checkpoints
+attached). This times each of them, driven as SGLang's scheduler drives them (the order of
+``tests/test_prefix_tree.py``'s scheduler), with no forward: what the tree, pools and tables do is what a served
+turn does; the rows hold whatever they held (nothing reads them here).
+
+The long histories are built without a forward (a cold 1M-token prefill takes hours on this host): a benchmark-only
+fixture runs a session of ``--seed-turns`` turns that grow it to the history, each through the same calls, so the
+session's path holds the nodes a real one does (a prompt-end, a one-short and a request-end checkpoint a turn).
+Then ``--turns`` turns of ``--new-tokens`` new prompt tokens and one output token are timed (medians of
+wall time: ``time.thread_time`` costs milliseconds a call in this host's sandbox).
+
+``--before REV``: the same measurement over the package as it was at git revision ``REV`` (extracted to a temporary
+folder and run in a subprocess), printed beside, with the ratios. Writes ``benchmarks/results/host_work.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("match", "hand_to_session", "prompt_checkpoint", "request_checkpoint")
+
+
+def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions: int) -> dict[str, float]:
+    """Median milliseconds of each of our calls in a resumed turn of ``sessions`` interleaved sessions whose
+    histories add up to ``history`` tokens (one session: ``history`` tokens; more: they share a system prompt and
+    take turns round robin, the token pool holding 3/4 of their tokens, so that SGLang evicts)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_dsv4.config import parse_config
+    from sglang_dsv4.kv_cache import V4KVPool
+    from sglang_dsv4.prefix_cache.tree import V4RadixCache
+    from sglang_dsv4.tiny import TINY_CONFIG
+
+    torch.set_num_threads(1)
+    each = history // sessions
+    config = parse_config({**TINY_CONFIG, "max_position_embeddings": 2 * each + 4096})
+    context = each + (turns + 2) * (new_tokens + 2) + 16
+    tokens = (history + sessions * (turns + 2) * (new_tokens + 2)) * (3 if sessions == 1 else 3 / 4)
+    tokens, rows = int(tokens) + 4096, 4
+    pool = V4KVPool(tokens, 1, config, torch.float32, max_requests=rows, max_context=context, device="cpu")
+    row_pool = ReqToTokenPool(rows, context, "cpu", enable_memory_saver=False)
+    row_pool.attach_aux_cache(pool.manager)
+    slots = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", pool, need_sort=False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=row_pool, token_to_kv_pool_allocator=slots, page_size=1
+    )
+    tree = V4RadixCache(
+        params, pool.manager, prefix_hits="exact", window_policy="per_request", checkpoint_interval=0
+    )
+    rng = random.Random(0)
+    times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+    def timed(phase: str, call, *args, **kwargs):
+        started = time.perf_counter()
+        result = call(*args, **kwargs)
+        times[phase].append((time.perf_counter() - started) * 1000)
+        return result
+
+    def take_slots(count: int) -> torch.Tensor:
+        if slots.available_size() < count:  # SGLang evicts least recently used tokens first
+            tree.evict(EvictParams(num_tokens=count - slots.available_size()))
+        return slots.alloc(count)
+
+    def turn(sequence: list[int], new: int, number: int) -> list[int]:
+        """One turn as SGLang runs it: match, row, bind, prompt checkpoint, one decode step, request checkpoint,
+        release."""
+        prompt = sequence + [rng.randrange(1024) for _ in range(new)]
+        match = timed("match", tree.match_prefix, MatchPrefixParams(key=RadixKey(array("q", prompt[:-1]))))
+        req = Request(number, array("q", prompt + [0]), array("q", prompt), match.device_prefix_len)
+        req.last_node, req.lock = match.last_device_node, tree.lock(match.last_device_node)
+        row = row_pool.alloc_rows(1)[0]
+        req.kv.req_pool_idx = row
+        row_pool.req_to_token[row, : req.prefix_len] = tree.prefix_device_indices(req).to(torch.int32)
+        row_pool.req_to_token[row, req.prefix_len : len(prompt)] = take_slots(len(prompt) - req.prefix_len).to(
+            torch.int32
+        )
+        req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, len(prompt)
+        timed("hand_to_session", tree.maybe_hand_to_session, req)
+        timed("prompt_checkpoint", tree.checkpoint, req, up_to=len(prompt))
+        length = req.kv.kv_allocated_len
+        row_pool.req_to_token[row, length] = int(take_slots(1)[0])
+        row_pool.alloc_aux_to_lengths(
+            req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
+        )
+        req.kv.kv_allocated_len = length + 1
+        req.full_untruncated_fill_ids.append(rng.randrange(1024))
+        req.done = True
+        timed("request_checkpoint", tree.checkpoint, req, up_to=length + 1)
+        slots.free(row_pool.req_to_token[row][req.kv.cache_protected_len : length + 1].to(torch.int64))
+        tree.unlock(req.lock)
+        row_pool.free_rows([row])
+        return list(req.full_untruncated_fill_ids[: length + 1])
+
+    system = [rng.randrange(1024) for _ in range(min(2000, each // 2))]
+    histories = [list(system) for _ in range(sessions)]
+    number = 0
+    for step in range(seed_turns):
+        for session in range(sessions):
+            grow = max(2, (each - len(histories[session])) // (seed_turns - step) - 1)
+            histories[session] = turn(histories[session], grow, number)
+            number += 1
+    for times_of_phase in times.values():
+        times_of_phase.clear()
+    for step in range(turns):
+        session = step % sessions
+        histories[session] = turn(histories[session], new_tokens, number)
+        number += 1
+    result = {phase: statistics.median(values) for phase, values in times.items()}
+    result["ours"] = sum(result[phase] for phase in PHASES)
+    result["history"] = sum(len(h) for h in histories)
+    result["sessions"] = sessions
+    result["path_nodes"] = path_nodes(tree)
+    return result
+
+
+class RowRecord:
+    """The part of SGLang's per-request KV record the tree reads and writes."""
+
+    def __init__(self) -> None:
+        self.req_pool_idx = self.cache_protected_len = self.cache_inserted_len = self.kv_allocated_len = 0
+
+
+class Request:
+    """The fields of SGLang's ``Req`` the tree uses."""
+
+    def __init__(self, rid: int, fill: array, prompt: array, prefix_len: int) -> None:
+        self.rid, self.full_untruncated_fill_ids, self.origin_input_ids = str(rid), fill, prompt
+        self.prefix_len, self.last_node, self.lock = prefix_len, None, None
+        self.extra_key = self.cache_salt = None
+        self.priority, self.kv, self.done = 0, RowRecord(), False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def path_nodes(tree) -> int:
+    """Nodes on the deepest path of the tree (the session's)."""
+    deepest, stack = 0, [(tree.root_node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node.children.values())
+    return deepest
+
+
+def run_over(package_root: Path, arguments: list[str]) -> list[dict[str, float]]:
+    """This script's measurement over the package at ``package_root``, in a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(package_root)}
+    command = [sys.executable, __file__, "--child", *arguments]
+    output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--histories", default="2000,16000,64000,131072,1048576")
+    parser.add_argument("--seed-turns", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--sessions", default="1,32", help="interleaved sessions, each count a measurement")
+    parser.add_argument("--before", help="a git revision to measure beside the working tree")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_work.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    histories = [int(h) for h in args.histories.split(",")]
+    if args.child:
+        counts = [int(c) for c in args.sessions.split(",")]
+        measured = [measure(h, args.seed_turns, args.turns, args.new_tokens, c) for c in counts for h in histories]
+        print(json.dumps(measured))
+        return
+    passed = ["--histories", args.histories, "--seed-turns", str(args.seed_turns), "--turns", str(args.turns),
+              "--new-tokens", str(args.new_tokens), "--sessions", args.sessions]  # fmt: skip
+    versions = {"now": run_over(ROOT, passed)}
+    if args.before:
+        with tempfile.TemporaryDirectory() as scratch:
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "sglang_dsv4"],
+                                     check=True, capture_output=True).stdout  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
+            versions = {"before": run_over(Path(scratch), passed), **versions}
+    print(f"our calls per resumed turn (+{args.new_tokens} tokens, 1 output), median wall ms")
+    header = f"{'sessions':>8} {'history':>9} {'nodes':>6} " + " ".join(f"{p:>18}" for p in (*PHASES, "ours"))
+    for name, rows in versions.items():
+        print(f"\n{name}\n{header}")
+        for row in rows:
+            cells = " ".join(f"{row[p]:18.3f}" for p in (*PHASES, "ours"))
+            print(f"{row['sessions']:8d} {row['history']:9d} {row['path_nodes']:6d} {cells}")
+    if args.before:
+        print("\nours, now / before: " + ", ".join(
+            f"{n['sessions']}x{n['history']}: {n['ours'] / b['ours']:.2f}x"
+            for b, n in zip(versions["before"], versions["now"], strict=True)))
+    now = versions["now"]
+    for count in sorted({r["sessions"] for r in now}):
+        rows = [r for r in now if r["sessions"] == count]
+        print(f"{count} session(s), ours at each history / at the first: "
+              + ", ".join(f"{r['history']}: {r['ours'] / rows[0]['ours']:.2f}x" for r in rows))  # fmt: skip
+    record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

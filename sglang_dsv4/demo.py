@@ -44,6 +44,11 @@ SCRIPTED_TOOLS = (
 """``(command, output)`` of the simulated shell: the command when the model writes none, and what every call
 prints (the turn's canned output, whatever the command)."""
 
+TOOL_CALL_PARSER = "deepseekv4"
+REASONING_PARSER = "deepseek-v4"
+"""SGLang's parsers for V4's output (``--tool-call-parser``, ``--reasoning-parser``): they read the DSML tool calls
+and the ``<think>`` block the shipped chat template writes (``tests/test_chat_template_parsers.py``)."""
+
 FREQUENCY_PENALTY = 1.0
 """Greedy decoding, each logit lowered by its token's count in the reply so far: the tiny model's plain greedy
 reply repeats its likeliest token (a newline) to the end."""

@@ -7,6 +7,7 @@ the demo's agent loop.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from transformers import AutoTokenizer
 
 from sglang_dsv4 import load_config, load_model, parse_config
 from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
-from sglang_dsv4.chat_template import CHAT_TEMPLATE
-from sglang_dsv4.demo import SCRIPTED_TOOLS, SYSTEM, run_agent
+from sglang_dsv4.chat_template import CHAT_TEMPLATE, DSML, END_THINK, THINK
+from sglang_dsv4.demo import SCRIPTED_TOOLS, SERVER_ARGUMENTS, SYSTEM, run_agent
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt, speculative_decode
@@ -124,17 +125,25 @@ def test_shipped_mtp_layer_has_learned_the_token_after_next_on_text_it_never_saw
 
 @pytest.fixture(scope="module")
 def server(shipped, log_dir):
-    arguments = ("--dtype", "float32", "--enable-cache-report")
-    with running_server(shipped, *arguments, log_path=log_dir / "shipped-server.log", env=ONE_TORCH_THREAD) as url:
+    log_path = log_dir / "shipped-server.log"
+    with running_server(shipped, *SERVER_ARGUMENTS, log_path=log_path, env=ONE_TORCH_THREAD) as url:
         yield url
 
 
-def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache(server, shipped):
-    task = "Fix the failing test in tests/test_cache.py."
-    reports = run_agent(server, task)
+DEMO_TASK = "Fix the failing test in tests/test_cache.py."
+
+
+@pytest.fixture(scope="module")
+def demo_reports(server):
+    """The demo's agent loop on the shipped server (its flags: V4's tool-call and reasoning parsers)."""
+    return run_agent(server, DEMO_TASK, show=False)
+
+
+def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache(demo_reports, shipped):
+    reports = demo_reports
     assert len(reports) == len(SCRIPTED_TOOLS)
     tokenizer = AutoTokenizer.from_pretrained(shipped)
-    first_prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    first_prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DEMO_TASK}]
     expected = tokenizer.apply_chat_template(
         first_prompt, tools=list(SESSION_TOOLS), add_generation_prompt=True, return_dict=False
     )
@@ -142,5 +151,21 @@ def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache
     for previous, report in zip(reports, reports[1:], strict=False):
         # Each turn resumes at least where the last prompt ended; the tool result is new.
         assert previous.prompt_tokens <= report.cached_tokens < report.prompt_tokens
-    # Each turn says something, in whole characters (no stray bytes decoded as U+FFFD).
-    assert all(report.reply and "\ufffd" not in report.reply for report in reports)
+    # Each turn says something or calls a tool; its content in whole characters (no stray bytes decoded as
+    # U+FFFD) and free of special tokens: the parsers took the DSML out.
+    special = [*tokenizer.all_special_tokens, DSML, THINK, END_THINK]
+    for report in reports:
+        assert report.content or report.tool_calls
+        assert "\ufffd" not in (report.content or "")
+        assert not [token for token in special if token in (report.content or "")], report.content
+
+
+def test_demo_agent_gets_the_models_own_tool_calls_parsed_through_the_server(demo_reports):
+    """The model's DSML calls come back as OpenAI ``tool_calls`` (greedy, no ``tool_choice``, no grammar): the
+    bash tool, a JSON object with the command. ``benchmarks/demo_tool_calls.py`` counts them over 24 turns."""
+    called = [report for report in demo_reports if report.tool_calls and not report.scripted]
+    assert 2 * len(called) >= len(demo_reports), [(r.content, r.tool_calls) for r in demo_reports]
+    for report in called:
+        for call in report.tool_calls:
+            assert call["type"] == "function" and call["function"]["name"] == "bash" and call["id"]
+            assert isinstance(json.loads(call["function"]["arguments"])["command"], str)

@@ -5,8 +5,9 @@
 Serves the checkpoint (default: the shipped tiny one) as ``dsv4 demo`` does (its flags: float32, the cache
 report, ``--tool-call-parser deepseekv4 --reasoning-parser deepseek-v4``) and runs the demo's agent loop
 (:func:`sglang_dsv4.demo.run_agent`: the OpenAI client, ``tools`` defined, no ``tool_choice``, greedy and
-unconstrained decoding, ``max_tokens`` :data:`~sglang_dsv4.demo.MAX_TOKENS`) for ``--agents`` agents, each on
-a task drawn with ``--seed`` from :data:`TASKS`, for the demo's four turns: every turn is one tool-call attempt
+unconstrained decoding, ``max_tokens`` :data:`~sglang_dsv4.demo.MAX_TOKENS`) for ``--agents`` agents: the
+first on the demo's own task (``dsv4 demo``'s default: its turns are the demo's), the others on distinct tasks
+drawn with ``--seed`` from the rest of :data:`TASKS`; each for the demo's four turns: every turn is one tool-call attempt
 (the bash tool is the only way a turn moves the task on). Counts the turns whose reply came back with parsed
 ``tool_calls`` (a call of the ``bash`` tool whose arguments are a JSON object with a ``command`` string), and
 checks no reply's ``content`` holds a special token of the tokenizer. Writes every turn's ``content``,
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from sglang_dsv4.demo import MAX_TOKENS, SERVER_ARGUMENTS, run_agent
+from sglang_dsv4.demo import FREQUENCY_PENALTY, MAX_TOKENS, SERVER_ARGUMENTS, run_agent
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 from sglang_dsv4.tiny import shipped_checkpoint
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
-    tasks = [rng.choice(TASKS) for _ in range(args.agents)]
+    tasks = [TASKS[0], *rng.sample(TASKS[1:], args.agents - 1)]
     special = AutoTokenizer.from_pretrained(args.checkpoint).all_special_tokens + ["｜DSML｜", "<think>", "</think>"]
     turns = []
     started = time.perf_counter()
@@ -89,7 +90,10 @@ def main(argv: list[str] | None = None) -> None:
             args.checkpoint.relative_to(REPO) if args.checkpoint.is_relative_to(REPO) else args.checkpoint
         ),
         "server_arguments": list(SERVER_ARGUMENTS),
-        "decoding": {"temperature": 0, "max_tokens": MAX_TOKENS, "tool_choice": None, "constrained": False},
+        "decoding": {
+            "temperature": 0, "frequency_penalty": FREQUENCY_PENALTY, "max_tokens": MAX_TOKENS,
+            "tool_choice": None, "constrained": False,
+        },  # fmt: skip
         "seed": args.seed,
         "agents": args.agents,
         "attempts": len(turns),

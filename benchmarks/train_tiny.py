@@ -35,6 +35,25 @@ back bit for bit): from the builder's random MTP weights, next-next-token cross-
 reading the frozen target's streams of each token with the true next token, on the same corpus (tokenized
 with the checkpoint's own tokenizer), AdamW on random windows. Its record (``train_tiny_mtp.json``) holds the
 curve: training loss, and on held-out windows the MTP layer's loss and how often its top-1 is the true token.
+With ``--mtp --mtp-from-checkpoint`` the MTP layer starts from the checkpoint's own ``mtp.*`` weights instead
+of the builder's random ones (for a main network fine-tuned after its MTP layer was trained).
+
+Between the two, the replies (what ``dsv4 demo``'s agent needs: its tool calls must parse):
+
+    python benchmarks/train_tiny.py --replies
+
+fine-tunes the main weights of the checkpoint at ``--out`` (its tokenizer and MTP layer kept as they are) on
+the same training sessions, each window ending where one of the sessions' assistant replies ends (its
+``<｜end▁of▁sentence｜>``), so the window holds a whole reply and the history before it (the session's head,
+its system prompt and tool definitions, first, then the history's tail, as a harness trims a long history).
+The loss is a weighted next-token cross-entropy: weight ``--reply-weight`` on the reply's tokens (from the
+token after ``<｜Assistant｜></think>`` through its end-of-sentence), ``--call-weight`` on its DSML tool-call
+block (from the ``<`` before its first ``｜DSML｜`` on), and ``--context-weight`` on every other token (the
+history, so the network keeps modelling it); the indexers keep learning from their KL loss as above. Its
+record (``results/train_tiny_replies.json``; with ``--continues RECORD``, the record of the ``--replies`` run
+that wrote ``--out`` is kept in it) holds the curve and, on held-out sessions, the loss on reply tokens
+before and after, and the held-out perplexity as the main run measures it. Run ``--mtp
+--mtp-from-checkpoint`` after it: the MTP layer reads the main network's streams, which changed.
 """
 
 from __future__ import annotations
@@ -62,7 +81,6 @@ from sglang_dsv4.model import load_model
 from sglang_dsv4.model.attention import Attention
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.network import DeepseekV4
-from sglang_dsv4.model.rope import ForwardRope
 from sglang_dsv4.tiny import TINY_CONFIG, random_model, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,9 +169,9 @@ class IndexerDistillation:
         record = self.records.setdefault(id(attn), {})
         select, attend = attn.indexer.select, attn._attend
 
-        def recording_select(x, q_residual, positions, state, visible):
-            record.update(x=x, q_residual=q_residual, positions=positions, visible=visible)
-            return select(x, q_residual, positions, state, visible)
+        def recording_select(x, q_residual, rope, state, visible):
+            record.update(x=x, q_residual=q_residual, rope=rope, visible=visible)
+            return select(x, q_residual, rope, state, visible)
 
         def recording_attend(q, keys, visible):
             record.update(q=q, entries=keys[keys.shape[0] - record["visible"].shape[1] :])
@@ -179,8 +197,7 @@ class IndexerDistillation:
             indexer = attn.indexer
             state = indexer.compressor.new_state(x.dtype, x.device)
             indexer.compressor.advance(x, 0, state)
-            rope = ForwardRope.at(record["positions"], (indexer.rotary,))
-            scores = indexer.scores(x, record["q_residual"].detach(), rope, state.entries)
+            scores = indexer.scores(x, record["q_residual"].detach(), record["rope"], state.entries)
             log_probs = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             kl = (target * (target.clamp_min(1e-9).log() - log_probs.masked_fill(~visible, 0.0))).sum(dim=-1)
             losses.append(kl[rows].mean())
@@ -291,6 +308,165 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def reply_spans(ids: list[int], assistant: int, end_think: int, eos: int, dsml: int) -> list[tuple[int, int, int]]:
+    """``(start, call_start, end)`` of each assistant reply in a rendered session's ids: ``start`` the first token
+    after ``<｜Assistant｜></think>``, ``end`` the index of its end-of-sentence token, ``call_start`` the ``<``
+    before its first ``｜DSML｜`` token (``end + 1`` if it calls no tool)."""
+    spans = []
+    for index in range(len(ids) - 1):
+        if ids[index] != assistant or ids[index + 1] != end_think:
+            continue
+        start = index + 2
+        try:
+            end = ids.index(eos, start)
+        except ValueError:
+            break
+        call_start = next((i - 1 for i in range(start, end) if ids[i] == dsml), end + 1)
+        spans.append((start, call_start, end))
+    return spans
+
+
+def reply_windows(documents: list[str], tokenizer, context: int, weights: tuple[float, float, float]):
+    """Per reply of every session: ``(ids, target_weights)``, a window of up to ``context + 1`` tokens that ends
+    with the reply's end-of-sentence: the session's head (everything before its first ``<｜User｜>``: the
+    system prompt and the tool definitions) and the history's last tokens before the reply; and the weight of
+    each target (token 1..) in the loss."""
+    from sglang_dsv4.chat_template import ASSISTANT, DSML, END_THINK, USER
+
+    context_weight, reply_weight, call_weight = weights
+    assistant, end_think, dsml, user = (
+        tokenizer.convert_tokens_to_ids(t) for t in (ASSISTANT, END_THINK, DSML, USER)
+    )
+    samples = []
+    for document in documents:
+        ids = tokenizer.encode(document, add_special_tokens=False)
+        weight = torch.full((len(ids),), context_weight)
+        spans = reply_spans(ids, assistant, end_think, tokenizer.eos_token_id, dsml)
+        for start, call_start, end in spans:
+            weight[start : end + 1] = reply_weight
+            weight[call_start : end + 1] = call_weight
+        ids_tensor = torch.tensor(ids)
+        head = ids.index(user) if user in ids else 0
+        for _, _, end in spans:
+            # The session's head (system prompt, tool definitions), then as much history as fits, as a
+            # harness that trims a long history keeps its system prompt.
+            first = max(head, end - (context - head))
+            if first == head:
+                samples.append((ids_tensor[: end + 1], weight[1 : end + 1]))
+            else:
+                window = torch.cat([ids_tensor[:head], ids_tensor[first : end + 1]])
+                samples.append((window, torch.cat([weight[1:head], weight[first : end + 1]])))
+    return samples
+
+
+def weighted_loss(logits: torch.Tensor, sample: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    losses = F.cross_entropy(logits, sample[1:], reduction="none")
+    return (losses * weight).sum() / weight.sum()
+
+
+@torch.no_grad()
+def reply_loss(model: DeepseekV4, samples) -> float:
+    """Mean cross-entropy over the reply tokens (weight > context weight's) of held-out reply windows."""
+    total, count = 0.0, 0
+    for sample, weight in samples:
+        losses = F.cross_entropy(model(sample[:-1], model.new_state()), sample[1:], reduction="none")
+        mask = weight > weight.min() if weight.max() > weight.min() else torch.ones_like(weight, dtype=torch.bool)
+        total += losses[mask].sum().item()
+        count += int(mask.sum())
+    return total / count
+
+
+def train_replies(args: argparse.Namespace) -> dict[str, Any]:
+    """Fine-tune the main weights of the checkpoint at ``args.out`` on the sessions' replies; write it back
+    (tokenizer, config and ``mtp.*`` tensors unchanged)."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.out)
+    render = chat_renderer()
+    with gzip.open(args.sessions, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    sessions = [render(session_messages(row), list(SESSION_TOOLS)) for row in rows]
+    weights = (args.context_weight, args.reply_weight, args.call_weight)
+    train_samples = reply_windows(
+        [doc for index, doc in enumerate(sessions) if index % HELD_OUT_EVERY != 0], tokenizer, args.context, weights
+    )
+    held_replies = reply_windows(sessions[::HELD_OUT_EVERY], tokenizer, args.context, weights)
+    held_replies = random.Random(args.seed + 1).sample(held_replies, min(args.eval_windows, len(held_replies)))
+    _, held_docs = corpus(args.sessions, args.python_mb, render)
+    held_ids = token_stream(tokenizer, held_docs)
+    held_samples = list(windows(held_ids, 1024, args.eval_windows, random.Random(args.seed + 1)))
+    prepared = time.perf_counter() - started
+    print(f"{len(train_samples):,} training replies, {len(held_replies)} held out ({prepared:.0f}s)", flush=True)
+
+    model = load_model(args.out)
+    before_mtp = {name: tensor.clone() for name, tensor in release_state_dict(model).items() if name.startswith("mtp.")}
+    model.eval()
+    reply_loss_before, ppl_before = reply_loss(model, held_replies), perplexity(model, held_samples)
+    print(f"before: held-out reply loss {reply_loss_before:.3f}, held-out ppl {ppl_before:.2f}", flush=True)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not name.startswith("mtp."))
+    distillation = IndexerDistillation(model)
+    model.train()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+    curve: list[dict[str, float]] = []
+    train_started = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        lm_total = index_total = 0.0
+        for sample, weight in rng.sample(train_samples, args.batch):
+            logits = model.logits(sample[:-1], model.new_state())
+            lm_loss = weighted_loss(logits, sample, weight)
+            index_loss = distillation.loss()
+            ((lm_loss + index_loss) / args.batch).backward()
+            lm_total += lm_loss.item() / args.batch
+            index_total += index_loss.item() / args.batch
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        point = {"step": step + 1, "loss": lm_total, "indexer_kl": index_total}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            model.eval()
+            point["held_out_reply_loss"] = reply_loss(model, held_replies)
+            model.train()
+            elapsed = time.perf_counter() - train_started
+            print(f"step {step + 1}: loss {lm_total:.3f}, indexer KL {index_total:.3f}, "
+                  f"held-out reply loss {point['held_out_reply_loss']:.3f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
+        curve.append(point)
+    train_s = time.perf_counter() - train_started
+
+    model.eval()
+    held_out_ppl = perplexity(model, held_samples)
+    written = release_state_dict(model)
+    assert all(torch.equal(written[name], tensor) for name, tensor in before_mtp.items()), "an MTP weight changed"
+    save_file(written, args.out / "model.safetensors", metadata={"format": "pt"})
+    print(f"after: held-out reply loss {curve[-1]['held_out_reply_loss']:.3f}, held-out ppl {held_out_ppl:.2f}")
+    return {
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch": args.batch,
+        "context": args.context,
+        "lr": args.lr,
+        "weights": {"context": args.context_weight, "reply": args.reply_weight, "tool_call": args.call_weight},
+        "training_replies": len(train_samples),
+        "held_out_replies": len(held_replies),
+        "threads": 1,
+        "prepare_s": round(prepared, 1),
+        "train_s": round(train_s, 1),
+        "held_out_reply_loss_before": reply_loss_before,
+        "held_out_reply_loss": curve[-1]["held_out_reply_loss"],
+        "held_out_ppl_before": ppl_before,
+        "held_out_ppl": held_out_ppl,
+        "curve": curve,
+    }
+
+
 def mtp_loss(model: DeepseekV4, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean cross-entropy, top-1 hits)`` of the MTP layer predicting token ``p + 2`` from the frozen target's
     streams of token ``p`` and token ``p + 1``, over a window (a fresh request)."""
@@ -331,8 +507,12 @@ def train_mtp(args: argparse.Namespace) -> dict[str, Any]:
     main = load_model(args.out)
     config = {**TINY_CONFIG, "num_nextn_predict_layers": 1}
     model = random_model(config, seed=args.seed)
-    missing, unexpected = model.load_state_dict(main.state_dict(), strict=False)
+    state = main.state_dict()
+    if not args.mtp_from_checkpoint:
+        state = {name: tensor for name, tensor in state.items() if not name.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(name.startswith("mtp.") for name in missing), (missing, unexpected)
+    assert not (args.mtp_from_checkpoint and missing), "the checkpoint has no MTP layer to start from"
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name.startswith("mtp."))
     parameters = [p for p in model.mtp.parameters() if p.requires_grad]
@@ -363,7 +543,9 @@ def train_mtp(args: argparse.Namespace) -> dict[str, Any]:
 
     written = release_state_dict(model.eval())
     kept = release_state_dict(main)
-    assert all(torch.equal(written[name], tensor) for name, tensor in kept.items()), "a main weight changed"
+    assert all(
+        torch.equal(written[name], tensor) for name, tensor in kept.items() if not name.startswith("mtp.")
+    ), "a main weight changed"
     save_file(written, args.out / "model.safetensors", metadata={"format": "pt"})
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {
@@ -372,6 +554,7 @@ def train_mtp(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "context": args.context,
         "lr": args.lr,
+        "from_checkpoint": args.mtp_from_checkpoint,
         "threads": 1,
         "prepare_s": round(prepared, 1),
         "train_s": round(train_s, 1),
@@ -410,10 +593,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sessions = REPO.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
     parser.add_argument("--mtp", action="store_true", help="train only the MTP layer of --out, the rest frozen")
+    parser.add_argument("--mtp-from-checkpoint", action="store_true", help="--mtp: start from --out's MTP layer")
+    parser.add_argument("--replies", action="store_true", help="fine-tune --out's main weights on the replies")
+    parser.add_argument("--context-weight", type=float, default=0.1, help="--replies: loss weight of the history")
+    parser.add_argument("--reply-weight", type=float, default=1.0, help="--replies: loss weight of a reply")
+    parser.add_argument("--call-weight", type=float, default=2.0, help="--replies: loss weight of a tool call")
+    parser.add_argument("--continues", type=Path, help="--replies: the record of the --replies run that wrote --out")
     parser.add_argument("--sessions", type=Path, default=sessions)
     parser.add_argument("--python-mb", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=SHIPPED)
-    parser.add_argument("--record", type=Path, help="default: benchmarks/results/train_tiny.json (--mtp: train_tiny_mtp.json)")
+    parser.add_argument("--record", type=Path, help="default: benchmarks/results/train_tiny.json (--mtp: "
+                        "train_tiny_mtp.json, --replies: train_tiny_replies.json)")  # fmt: skip
     parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "results" / "train_tiny.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=160)
@@ -424,14 +614,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args(argv)
+    results = REPO / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    if args.replies:
+        record = train_replies(args)
+        path = args.record or results / "train_tiny_replies.json"
+        if args.continues:
+            record["continues"] = json.loads(args.continues.read_text())
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     if args.mtp:
         record = train_mtp(args)
-        (args.record or REPO / "benchmarks" / "results" / "train_tiny_mtp.json").write_text(json.dumps(record, indent=1) + "\n")
+        (args.record or results / "train_tiny_mtp.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"MTP layer: held-out loss {record['held_out_loss']:.3f}, top-1 {record['held_out_top1']:.3f}")
         print(f"wrote {args.out}")
         return
     record = train(args)
-    (args.record or REPO / "benchmarks" / "results" / "train_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.record or results / "train_tiny.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.plot)
     random_ppl = record["random_checkpoint_held_out_ppl"]
     print(f"held-out perplexity {record['held_out_ppl']:.2f} (random checkpoint {random_ppl:.4g})")

@@ -209,12 +209,14 @@ def _add_prefix_cache_updates(original, controller) -> dict:
 def _prefer_checkpoint_chat_template(original, *, hf_config: Any, tokenizer: Any, tool_call_parser=None):
     """A V4 checkpoint that ships a chat template is rendered with it.
 
-    Upstream picks its DeepSeek-V4 encoder for any V4 architecture; it needs V4's own
-    special tokens, which a checkpoint with its own template (the tiny one) need not have.
-    An explicit ``--tool-call-parser`` still selects upstream's encoder.
+    Upstream picks its DeepSeek-V4 encoder for any V4 architecture, and for ``--tool-call-parser deepseekv4``;
+    it needs V4's own special tokens, which a checkpoint with its own template (the tiny one) need not have.
+    With the checkpoint's template the replies go through SGLang's usual parsers (``--tool-call-parser
+    deepseekv4``, ``--reasoning-parser deepseek-v4``), which read the DSML the template writes
+    (``tests/test_chat_template_parsers.py`` checks they agree).
     """
     spec = original(hf_config=hf_config, tokenizer=tokenizer, tool_call_parser=tool_call_parser)
-    if spec == "dsv4" and tool_call_parser is None and getattr(tokenizer, "chat_template", None):
+    if spec == "dsv4" and tool_call_parser in (None, "deepseekv4") and getattr(tokenizer, "chat_template", None):
         return None
     return spec
 

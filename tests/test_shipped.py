@@ -7,6 +7,7 @@ the demo's agent loop.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from transformers import AutoTokenizer
 
 from sglang_dsv4 import load_config, load_model, parse_config
 from sglang_dsv4.agentperf.trajectory import SESSION_TOOLS
-from sglang_dsv4.chat_template import CHAT_TEMPLATE
-from sglang_dsv4.demo import SCRIPTED_TOOLS, SYSTEM, run_agent
+from sglang_dsv4.chat_template import CHAT_TEMPLATE, DSML, END_THINK, THINK
+from sglang_dsv4.demo import SCRIPTED_TOOLS, SERVER_ARGUMENTS, SYSTEM, run_agent
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_server
 from sglang_dsv4.model.loader import release_state_dict
 from sglang_dsv4.model.speculative import greedy_decode, read_prompt, speculative_decode
@@ -78,8 +79,10 @@ def perplexity(model, ids: torch.Tensor) -> float:
 def test_shipped_model_has_learned_text_it_never_saw(shipped_model, unseen_ids):
     learned = perplexity(shipped_model, unseen_ids)
     untrained = perplexity(random_model(TINY_CONFIG, seed=0), unseen_ids)
-    # Four times better than a uniform guess over the 1,024 ids; the random checkpoint is ~1e8.
-    assert learned < 256 and learned * 1000 < untrained, (learned, untrained)
+    # Measured 304 (201 before the replies fine-tune traded this markdown for the sessions: held-out session
+    # text 75.1 -> 56.7); the bound is over 2.5 times better than a uniform guess over the 1,024 ids; the
+    # random checkpoint is ~1e8.
+    assert learned < 384 and learned * 1000 < untrained, (learned, untrained)
 
 
 def test_shipped_swiglu_limit_clamps_on_real_text(shipped_model, unseen_ids):
@@ -119,23 +122,31 @@ def test_shipped_mtp_layer_has_learned_the_token_after_next_on_text_it_never_saw
     untrained.load_state_dict(main_weights, strict=False)
     loss, top1 = mtp_loss_and_top1(shipped_model, unseen_ids)
     untrained_loss, untrained_top1 = mtp_loss_and_top1(untrained, unseen_ids)
-    # Measured: 5.62 nats and 3.8% top-1; the builder's random MTP layer on the same target: 7.14 and 0.2%.
+    # Measured: 5.70 nats and 3.6% top-1; the builder's random MTP layer on the same target: 7.41 and 0.0%.
     assert loss < untrained_loss - 1 and top1 > 5 * untrained_top1, (loss, top1, untrained_loss, untrained_top1)
 
 
 @pytest.fixture(scope="module")
 def server(shipped, log_dir):
-    arguments = ("--dtype", "float32", "--enable-cache-report")
-    with running_server(shipped, *arguments, log_path=log_dir / "shipped-server.log", env=ONE_TORCH_THREAD) as url:
+    log_path = log_dir / "shipped-server.log"
+    with running_server(shipped, *SERVER_ARGUMENTS, log_path=log_path, env=ONE_TORCH_THREAD) as url:
         yield url
 
 
-def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache(server, shipped):
-    task = "Fix the failing test in tests/test_cache.py."
-    reports = run_agent(server, task)
+DEMO_TASK = "Fix the failing test in tests/test_cache.py."
+
+
+@pytest.fixture(scope="module")
+def demo_reports(server):
+    """The demo's agent loop on the shipped server (its flags: V4's tool-call and reasoning parsers)."""
+    return run_agent(server, DEMO_TASK, show=False)
+
+
+def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache(demo_reports, shipped):
+    reports = demo_reports
     assert len(reports) == len(SCRIPTED_TOOLS)
     tokenizer = AutoTokenizer.from_pretrained(shipped)
-    first_prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    first_prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DEMO_TASK}]
     expected = tokenizer.apply_chat_template(
         first_prompt, tools=list(SESSION_TOOLS), add_generation_prompt=True, return_dict=False
     )
@@ -143,5 +154,21 @@ def test_demo_agent_turns_carry_the_tools_and_resume_each_history_from_the_cache
     for previous, report in zip(reports, reports[1:], strict=False):
         # Each turn resumes at least where the last prompt ended; the tool result is new.
         assert previous.prompt_tokens <= report.cached_tokens < report.prompt_tokens
-    # Each turn says something, in whole characters (no stray bytes decoded as U+FFFD).
-    assert all(report.reply and "\ufffd" not in report.reply for report in reports)
+    # Each turn says something or calls a tool; its content in whole characters (no stray bytes decoded as
+    # U+FFFD) and free of special tokens: the parsers took the DSML out.
+    special = [*tokenizer.all_special_tokens, DSML, THINK, END_THINK]
+    for report in reports:
+        assert report.content or report.tool_calls
+        assert "\ufffd" not in (report.content or "")
+        assert not [token for token in special if token in (report.content or "")], report.content
+
+
+def test_demo_agent_gets_the_models_own_tool_calls_parsed_through_the_server(demo_reports):
+    """The model's DSML calls come back as OpenAI ``tool_calls`` (greedy, no ``tool_choice``, no grammar): the
+    bash tool, a JSON object with the command. ``benchmarks/demo_tool_calls.py`` counts them over 24 turns."""
+    called = [report for report in demo_reports if report.tool_calls and not report.scripted]
+    assert 2 * len(called) >= len(demo_reports), [(r.content, r.tool_calls) for r in demo_reports]
+    for report in called:
+        for call in report.tool_calls:
+            assert call["type"] == "function" and call["function"]["name"] == "bash" and call["id"]
+            assert isinstance(json.loads(call["function"]["arguments"])["command"], str)

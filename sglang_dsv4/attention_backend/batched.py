@@ -512,7 +512,8 @@ def _stage_checkpoints(
     for row, checkpoints in pending.items():
         for slot, checkpoint in enumerate(sorted(checkpoints, key=lambda c: c.position)[:slots]):
             staged[row, slot, 0], staged[row, slot, 1] = checkpoint.position, checkpoint.record
-    table.copy_(staged)
+    # Not waited for: a copy from pageable host memory has read it when the call returns.
+    table.copy_(staged, non_blocking=True)
 
 
 def _fields_of(value) -> dict[str, torch.Tensor]:

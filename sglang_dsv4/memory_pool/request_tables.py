@@ -69,6 +69,12 @@ class MirroredTable:
                 columns = torch.arange(*columns.indices(width))
             self._changed.append(row * width + columns)
 
+    def write_cells(self, rows: torch.Tensor, columns: torch.Tensor, values: torch.Tensor | int) -> None:
+        """``host[rows[i], columns[i]] = values[i]`` for every ``i``, and the cells noted for the next flush."""
+        self.host[rows, columns] = values
+        if self.device is not self.host:
+            self._changed.append(rows * self.host.shape[1] + columns)
+
     @property
     def device_bytes(self) -> int:
         """The twin's bytes where it is a tensor of its own (on a GPU), else 0."""
@@ -80,7 +86,9 @@ class MirroredTable:
         cells = torch.unique(torch.cat(self._changed))
         self._changed.clear()
         values = self.host.view(-1)[cells]
-        self.device.view(-1)[cells.to(self.device.device)] = values.to(self.device.device)
+        device = self.device.device
+        # Host to device, never waited for: the host values are copied out before the call returns.
+        self.device.view(-1)[cells.to(device, non_blocking=True)] = values.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,56 @@ class RequestTables:
             self.write_entries(ratio, row, slice(have, have + count), self.entry_rows[ratio].alloc(count))
             self.entry_count[ratio][row] = have + count
         self.position[row], self.last_step[row] = target, target - start
+
+    def steps_plainly(self, row: int, target: int, trims: bool) -> bool:
+        """Whether a forward of the row up to ``target`` is a plain decode step, which :meth:`step_each` batches:
+        one token after a bound row's position, letting go of at most one window slot first (when ``trims``,
+        as :meth:`trim_to_forward` does) and taking at most one entry row per ratio."""
+        start = self.position[row]
+        return (
+            self.bound[row]
+            and target == start + 1
+            and (not trims or start - self.window - 2 <= self.held_from[row])
+            and all(target // r - self.entry_count[r][row] <= 1 for r in self.ratios)
+        )
+
+    def step_each(self, rows: list[int], trims: bool) -> bool:
+        """One token more for each of ``rows`` (plain decode steps, :meth:`steps_plainly`): what
+        :meth:`trim_to_forward` (when ``trims``) and :meth:`reserve` row after row, in order, do, in a few batched
+        tensor operations; per-row work only for rows that let go of a slot or take an entry row. False, with
+        nothing changed, when the rows free would run short (row after row then makes room first)."""
+        index = torch.tensor(rows)
+        starts = torch.tensor([self.position[row] for row in rows])
+        new_blocks = {}
+        for ratio in self.ratios:
+            have = torch.tensor([self.entry_count[ratio][row] for row in rows])
+            new_blocks[ratio] = ((starts + 1) // ratio > have).nonzero().flatten(), have
+        if any(len(takes) > self.entry_rows[r].free for r, (takes, _) in new_blocks.items()):
+            return False
+        released, trimmed = torch.zeros_like(index), torch.zeros(0, dtype=torch.long)
+        if trims:
+            held_from = torch.tensor([self.held_from[row] for row in rows])
+            trimmed = (held_from < starts - self.window - 1).nonzero().flatten()
+            released[trimmed] = self.window_table[index[trimmed], held_from[trimmed]]
+        slots = self.window_slots.recycle_each(released)
+        if slots is None:
+            return False
+        if len(trimmed):
+            self._window.write_cells(index[trimmed], held_from[trimmed], 0)
+            for i in trimmed.tolist():  # host tensor
+                self.held_from[rows[i]] += 1
+        self._window.write_cells(index, starts, slots)
+        for ratio, (takes, have) in new_blocks.items():
+            if len(takes):
+                entries = self.entry_rows[ratio].take_each(len(takes))
+                self._entries[ratio].write_cells(index[takes], have[takes], entries)
+                for i in takes.tolist():  # host tensor
+                    self.entry_count[ratio][rows[i]] += 1
+        self.unlaunched.update(rows)
+        for row in rows:
+            self.position[row] += 1
+            self.last_step[row] = 1
+        return True
 
     def window_slots_for_forward(self, tokens: int) -> int:
         """Window slots of its own a forward of ``tokens`` new tokens of one row takes: those of its

@@ -45,6 +45,34 @@ class SharedRows:
         """``count`` free rows for something optional, or ``None`` when fewer are free."""
         return self._take(count) if count <= self.free else None
 
+    def take_each(self, count: int) -> torch.Tensor | None:
+        """``count`` rows, in the order ``count`` successive one-row :meth:`alloc` calls hand them out; ``None``
+        (nothing taken) when fewer are free."""
+        return self._take(count).flip(0) if count <= self.free else None
+
+    def recycle_each(self, released: torch.Tensor) -> torch.Tensor | None:
+        """One row for each entry of ``released`` (a row to let go of first, 0 for none), exactly as releasing it
+        and then allocating one row would, entry by entry in order: a row whose last reference goes comes straight
+        back, the others take the free stack's top rows in turn. ``None`` (nothing changed) when a released row
+        repeats or fewer rows are free than are taken. All tensors here are host tensors."""
+        let_go = released[released > 0]
+        if let_go.unique().numel() != let_go.numel():
+            return None
+        refs_after = self.refs[released] - (released > 0).to(torch.int32)
+        if (refs_after < 0).any():
+            raise AssertionError(f"{self.name}: row released more often than it was shared")
+        comes_back = (released > 0) & (refs_after == 0)
+        taking = ~comes_back
+        taken_before = torch.cumsum(taking, 0) - taking.long()
+        count = int(taking.sum())
+        if count > self.free:
+            return None
+        self.refs.index_add_(0, let_go, torch.full_like(let_go, -1, dtype=torch.int32))
+        rows = torch.where(comes_back, released, self.free_stack[(self.free - 1 - taken_before).clamp(min=0)])
+        self.free -= count
+        self.refs[rows] = 1
+        return rows
+
     def _take(self, count: int) -> torch.Tensor:
         if count == 0:
             return torch.zeros(0, dtype=torch.int64)

@@ -60,6 +60,10 @@ class Checkpoints:
             positions.add(end - 1)
         return sorted(positions)
 
+    def due_at(self, position: int) -> bool:
+        """Whether a one-token forward ending at ``position`` takes a checkpoint (:meth:`positions`)."""
+        return self.interval > 0 and position % self.interval == 0
+
     def plan(self, row: int, position: int) -> None:
         """A snapshot at ``position`` in the row's reserved forward, which holds its window and whose
         record is free (or, if none is, skipped)."""

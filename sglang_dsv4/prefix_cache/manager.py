@@ -146,10 +146,33 @@ class CacheManager:
     # --- SGLang's auxiliary-cache interface ----------------------------------------------------
 
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
-        """Before a forward. Rows not bound yet are started by the prefix tree (:meth:`start`)."""
-        for row, length in zip(req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist(), strict=True):
+        """Before a forward. Rows not bound yet are started by the prefix tree (:meth:`start`).
+
+        Every run of consecutive plain decode steps (:meth:`steps_plainly`) is reserved at once
+        (:meth:`RequestTables.step_each`), the other rows one by one, in the batch's order, so that rows are
+        taken and given back in the order reserving row after row takes them."""
+        rows, targets = req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist()  # SGLang's host copies
+        plain = [self.steps_plainly(row, target) for row, target in zip(rows, targets, strict=True)]
+        first = 0
+        for end in range(1, len(rows) + 1):
+            if end == len(rows) or plain[end] != plain[first]:
+                self._reserve_run(rows[first:end], targets[first:end], plain[first])
+                first = end
+
+    def steps_plainly(self, row: int, target: int) -> bool:
+        """Whether the row's forward up to ``target`` is a decode step that changes nothing but the row's own
+        window slot and entry rows: no snapshot in it, and what its window policy keeps needs no per-row work."""
+        policy = self.window_policy
+        return policy.plain_decode_steps and not self.checkpoints.due_at(target) and (
+            self.tables.steps_plainly(row, target, trims=policy is PER_REQUEST)
+        )
+
+    def _reserve_run(self, rows: list[int], targets: list[int], plain: bool) -> None:
+        if plain and self.tables.step_each(rows, trims=self.window_policy is PER_REQUEST):
+            return
+        for row, target in zip(rows, targets, strict=True):
             if self.tables.bound[row]:
-                self.reserve(row, int(length))
+                self.reserve(row, int(target))
 
     @property
     def dense_capacity(self) -> int:

@@ -29,6 +29,10 @@ class WindowPolicy(Protocol):
     commits_every_slot: bool
     # Whether checkpoints a later turn resumed past stay until memory runs short (else they go at once).
     keeps_superseded: bool
+    # Whether a decode step's reservation may be batched over rows (CacheManager.steps_plainly): the policy
+    # does, for one token, only what RequestTables.step_each does (per_request: trim_to_forward; all_committed:
+    # nothing, the token's own slot being the only one it would hold).
+    plain_decode_steps: bool
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         """Before the row's forward from ``start`` takes its slots."""
@@ -41,6 +45,7 @@ class PerRequest:
     name = "per_request"
     commits_every_slot = False
     keeps_superseded = False
+    plain_decode_steps = True
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         manager.tables.trim_to_forward(row, start)
@@ -53,6 +58,7 @@ class AllCommitted:
     name = "all_committed"
     commits_every_slot = True
     keeps_superseded = True
+    plain_decode_steps = True
 
     def before_reserve(self, manager: CacheManager, row: int, start: int) -> None:
         pass

@@ -65,7 +65,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,53 @@ def chat_renderer():
     return render
 
 
+def fit(
+    parameters: list[torch.nn.Parameter],
+    args: argparse.Namespace,
+    batch: Callable[[], Iterable[Any]],
+    losses: Callable[[Any], dict[str, torch.Tensor]],
+    held_out: Callable[[], dict[str, float]],
+) -> tuple[list[dict[str, float]], float]:
+    """AdamW on ``parameters`` for ``args.steps`` steps at :func:`learning_rate`: a step sums each of
+    ``batch()``'s samples' ``losses`` over the batch's mean and clips the gradient's norm to 1; every
+    ``args.eval_every`` steps and at the last, ``held_out()``'s figures join the step's point. Returns the
+    curve (each loss's batch mean a step) and the seconds it took."""
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    curve: list[dict[str, float]] = []
+    started = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for sample in batch():
+            named = losses(sample)
+            (sum(named.values()) / args.batch).backward()
+            for name, loss in named.items():
+                totals[name] = totals.get(name, 0.0) + loss.item() / args.batch
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        point = {"step": step + 1, **totals}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            point.update(held_out())
+            figures = ", ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in list(point.items())[1:])
+            print(f"step {step + 1}: {figures} ({time.perf_counter() - started:.0f}s)", flush=True)
+        curve.append(point)
+    return curve, time.perf_counter() - started
+
+
+def evaluated(model: DeepseekV4, figures: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
+    """``figures`` measured with ``model`` in eval mode, then back in training mode."""
+
+    def held_out() -> dict[str, float]:
+        model.eval()
+        measured = figures()
+        model.train()
+        return measured
+
+    return held_out
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -254,36 +301,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     random_ppl = perplexity(random_model(TINY_CONFIG, seed=0).eval(), held_samples)
     distillation = IndexerDistillation(model)
     model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
 
-    curve: list[dict[str, float]] = []
-    train_started = time.perf_counter()
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        optimizer.zero_grad(set_to_none=True)
-        lm_total = index_total = 0.0
-        for sample in windows(train_ids, args.context, args.batch, rng):
-            logits = model.logits(sample[:-1], model.new_state())
-            lm_loss = F.cross_entropy(logits, sample[1:])
-            index_loss = distillation.loss()
-            ((lm_loss + index_loss) / args.batch).backward()
-            lm_total += lm_loss.item() / args.batch
-            index_total += index_loss.item() / args.batch
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        point = {"step": step + 1, "loss": lm_total, "indexer_kl": index_total}
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            model.eval()
-            point["held_out_ppl"] = perplexity(model, held_samples)
-            model.train()
-            elapsed = time.perf_counter() - train_started
-            print(f"step {step + 1}: loss {lm_total:.3f}, indexer KL {index_total:.3f}, "
-                  f"held-out ppl {point['held_out_ppl']:.2f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
-        curve.append(point)
-    train_s = time.perf_counter() - train_started
+    def losses(sample: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = model.logits(sample[:-1], model.new_state())
+        return {"loss": F.cross_entropy(logits, sample[1:]), "indexer_kl": distillation.loss()}
 
+    curve, train_s = fit(
+        [p for p in model.parameters() if p.requires_grad],
+        args,
+        lambda: windows(train_ids, args.context, args.batch, rng),
+        losses,
+        evaluated(model, lambda: {"held_out_ppl": perplexity(model, held_samples)}),
+    )
     model.eval()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -411,36 +440,19 @@ def train_replies(args: argparse.Namespace) -> dict[str, Any]:
         parameter.requires_grad_(not name.startswith("mtp."))
     distillation = IndexerDistillation(model)
     model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
 
-    curve: list[dict[str, float]] = []
-    train_started = time.perf_counter()
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        optimizer.zero_grad(set_to_none=True)
-        lm_total = index_total = 0.0
-        for sample, weight in rng.sample(train_samples, args.batch):
-            logits = model.logits(sample[:-1], model.new_state())
-            lm_loss = weighted_loss(logits, sample, weight)
-            index_loss = distillation.loss()
-            ((lm_loss + index_loss) / args.batch).backward()
-            lm_total += lm_loss.item() / args.batch
-            index_total += index_loss.item() / args.batch
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        point = {"step": step + 1, "loss": lm_total, "indexer_kl": index_total}
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            model.eval()
-            point["held_out_reply_loss"] = reply_loss(model, held_replies)
-            model.train()
-            elapsed = time.perf_counter() - train_started
-            print(f"step {step + 1}: loss {lm_total:.3f}, indexer KL {index_total:.3f}, "
-                  f"held-out reply loss {point['held_out_reply_loss']:.3f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
-        curve.append(point)
-    train_s = time.perf_counter() - train_started
+    def losses(sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens, weight = sample
+        logits = model.logits(tokens[:-1], model.new_state())
+        return {"loss": weighted_loss(logits, tokens, weight), "indexer_kl": distillation.loss()}
 
+    curve, train_s = fit(
+        [p for p in model.parameters() if p.requires_grad],
+        args,
+        lambda: rng.sample(train_samples, args.batch),
+        losses,
+        evaluated(model, lambda: {"held_out_reply_loss": reply_loss(model, held_replies)}),
+    )
     model.eval()
     held_out_ppl = perplexity(model, held_samples)
     written = release_state_dict(model)
@@ -515,31 +527,19 @@ def train_mtp(args: argparse.Namespace) -> dict[str, Any]:
     assert not (args.mtp_from_checkpoint and missing), "the checkpoint has no MTP layer to start from"
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name.startswith("mtp."))
-    parameters = [p for p in model.mtp.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     held_samples = list(windows(held_ids, args.context, args.eval_windows, random.Random(args.seed + 1)))
 
-    curve: list[dict[str, float]] = []
-    train_started = time.perf_counter()
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for sample in windows(train_ids, args.context, args.batch, rng):
-            loss, _ = mtp_loss(model, sample)
-            (loss / args.batch).backward()
-            total += loss.item() / args.batch
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        point = {"step": step + 1, "loss": total}
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            point["held_out_loss"], point["held_out_top1"] = mtp_held_out(model, held_samples)
-            elapsed = time.perf_counter() - train_started
-            print(f"step {step + 1}: loss {total:.3f}, held-out loss {point['held_out_loss']:.3f}, "
-                  f"top-1 {point['held_out_top1']:.3f} ({elapsed:.0f}s)", flush=True)  # fmt: skip
-        curve.append(point)
-    train_s = time.perf_counter() - train_started
+    def held_out() -> dict[str, float]:
+        loss, top1 = mtp_held_out(model, held_samples)
+        return {"held_out_loss": loss, "held_out_top1": top1}
+
+    curve, train_s = fit(
+        [p for p in model.mtp.parameters() if p.requires_grad],
+        args,
+        lambda: windows(train_ids, args.context, args.batch, rng),
+        lambda sample: {"loss": mtp_loss(model, sample)[0]},
+        held_out,
+    )
 
     written = release_state_dict(model.eval())
     kept = release_state_dict(main)

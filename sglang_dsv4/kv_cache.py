@@ -11,12 +11,30 @@ are the manager's). This class carries the two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
 from .config import DeepseekV4Config
 from .memory_pool.storage import V4PoolStorage
+from .memory_pool.transfer import RequestStateTransfer
 from .prefix_cache.manager import CacheManager
+
+
+@dataclass(frozen=True)
+class RequestStateRows:
+    """A request's state as SGLang's disaggregation asks for it: request row ``row`` at ``length`` tokens. SGLang
+    asks once per transfer component with the same arguments; the component's position names the group
+    (:func:`sglang_dsv4.disaggregation._resolve_rows`)."""
+
+    transfer: RequestStateTransfer
+    row: int
+    length: int
+
+    def rows(self, group: str) -> np.ndarray:
+        return self.transfer.rows(group, self.row, self.length)
 
 
 class V4KVPool(KVCache):
@@ -50,6 +68,21 @@ class V4KVPool(KVCache):
         self.manager, self.storage = shared, shared.storage
         self.entry_ownership, self.checkpoints = self.manager.entry_ownership, self.manager.checkpoints
         self.mem_usage = self.storage.allocated_bytes / 2**30
+        self.head_num = 1  # V4's one KV head (what SGLang's disaggregation reads of a non-MLA pool)
+        self.transfer = RequestStateTransfer(self.storage)
+
+    # --- SGLang's prefill/decode disaggregation -----------------------------------------------------
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """No page-indexed buffers: everything a decode instance needs moves as request state."""
+        return [], [], []
+
+    def request_state_transfer_indices(self, row: int, length: int) -> RequestStateRows:
+        """SGLang's disaggregation asks, on both sides, for a request's state rows at ``length`` tokens (the
+        prompt's end). A decode-side row not bound yet is bound there first, its rows reserved to receive."""
+        if not self.manager.is_bound(row):
+            self.manager.start(row, length)
+        return RequestStateRows(self.transfer, row, length)
 
     # --- SGLang's EAGLE verify ------------------------------------------------------------------
 

@@ -23,6 +23,14 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from .config import check_tensor_parallel
 from .data_parallel import DATA_PARALLEL_HOOKS, check_attention_data_parallel, register_data_parallel_hooks
+from .disaggregation import (
+    attach_cache_manager,
+    check_disaggregation,
+    disaggregation_hooks,
+    register_disaggregation_hooks,
+    request_rows,
+    transfer_report,
+)
 from .platform import bind_rank_threads, host_sharing
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .required_hooks import require, require_hooks_applied
@@ -80,7 +88,7 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
-    require(REQUIRED_HOOKS)
+    require((*REQUIRED_HOOKS, *disaggregation_hooks()))
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
@@ -97,6 +105,7 @@ def register() -> None:
     register_routing_hooks()
     register_serving_hooks()
     register_speculation_hooks()
+    register_disaggregation_hooks()
     _register_prefix_cache()
 
 
@@ -167,6 +176,7 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     check_attention_data_parallel(view)
     check_speculation(view, hf_config)
     check_cache_tiers(view)
+    check_disaggregation(view)
     backends = list(_attention_backends())
     requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
     backend = requested if requested in backends else backends[0]
@@ -280,14 +290,14 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         page_size=configurator.pool_page_size,
         config=served_config(configurator.model_config.hf_config),
         kv_dtype=configurator.kv_cache_dtype,
-        max_requests=req_to_token_pool.size,
+        max_requests=request_rows(req_to_token_pool),
         max_context=req_to_token_pool.max_context_len,
         device=configurator.device,
         verify_tokens=verify_tokens(),
     )
     # SGLang has each request's V4 rows reserved before a forward and returned when it frees the
     # request, through the request pool's auxiliary cache: the cache manager.
-    req_to_token_pool.attach_aux_cache(pool.manager)
+    attach_cache_manager(req_to_token_pool, pool.manager)
     logger.info(
         "sglang-dsv4 KV pool: %d token slots, %d request rows, %.3f GiB allocated; KV ledger:\n%s",
         sizes.max_total_num_tokens,
@@ -314,6 +324,8 @@ def _report_pool_usage(result, controller, recv_req) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     result.internal_state["attn_dp_rank"] = get_parallel().attn_dp_rank
+    if scheduler.disaggregation_mode.value != "null":
+        result.internal_state["dsv4_transfer"] = transfer_report()
     routing = rank_report(get_parallel().attn_dp_rank)
     if routing is not None:
         result.internal_state["dsv4_routing"] = routing

@@ -41,7 +41,7 @@ LAYERS = (
     ("kv_cache",),
     ("attention_backend",),
     ("radix_cache", "platform", "routing", "serving"),
-    ("data_parallel", "quantization", "speculation"),
+    ("data_parallel", "quantization", "speculation", "disaggregation"),
     ("plugin",),
     ("moe", "agentperf", "launch", "chat_template", "__init__"),
     ("tiny",),

@@ -239,6 +239,14 @@ class PoolLayout:
         rows = self.window_slots_per_request + self.checkpoint_records_per_request_row + len(ratios)
         return BOOKKEEPING_BYTES_PER_ROW * rows
 
+    def state_bytes_at(self, context: int) -> int:
+        """A request's state at ``context`` tokens, what a decode instance continues from: the window rows of its
+        last ``sliding_window`` tokens, the entries (and indexer keys) of its complete blocks and one state record
+        (:mod:`.transfer` moves exactly these)."""
+        window = min(context, self.config.sliding_window) * self.window_slot_bytes
+        entries = sum(context // b.ratio * self.row_bytes(b) for b in self.compressed_buffers())
+        return window + entries + self.record_bytes
+
     def bytes_for(self, context: int) -> float:
         """Bytes one running request holds at ``context`` tokens."""
         return self.bytes_per_token * context + self.running_bytes_per_request

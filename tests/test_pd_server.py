@@ -1,0 +1,133 @@
+"""A prefill and a decode instance behind smg in PD mode serve V4 as one server does (issue 44).
+
+One pair for the module: ``--disaggregation-mode prefill`` with chunked prefill of 128 tokens, ``--disaggregation-mode
+decode``, ``--disaggregation-transfer-backend mooncake_tcp`` (real bytes over TCP on this host), and ``smg launch
+--pd-disaggregation`` in front. The oracle is the session's single-process server (:func:`conftest.tiny_server`):
+greedy outputs equal token for token, for ``/generate`` and ``/v1/chat/completions``, on prompts past two ratio-128
+blocks with a partial one pending. The bytes the prefill instance submitted to the transfer engine per request are
+the ledger's state of the prompt; after requests, and after a client that disconnects mid-request, every row is
+back on both instances.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from conftest import random_ids
+from serving_checks import assert_pools_idle, greedy
+
+from sglang_dsv4.config import load_config
+from sglang_dsv4.disaggregation import mooncake_installed
+from sglang_dsv4.launch import free_port, running_server, stop_process_group
+from sglang_dsv4.memory_pool.layout import PoolLayout
+
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+pytestmark = pytest.mark.skipif(
+    not (mooncake_installed() and SMG), reason="the pd extra (Mooncake's engine and smg) is not installed"
+)
+
+TRANSFER = ("--disaggregation-transfer-backend", "mooncake_tcp")
+# Past two ratio-128 blocks with a partial block pending, inside one window, and past several chunks of 128.
+PROMPT_LENGTHS = (333, 259, 1000)
+NEW_TOKENS = 12
+
+
+def _prompt(length: int) -> list[int]:
+    return random_ids(length, 1024, seed=4400 + length).tolist()
+
+
+PROMPTS = {length: _prompt(length) for length in PROMPT_LENGTHS}
+
+
+ROUTER_STARTUP_S = 120
+
+
+@contextlib.contextmanager
+def running_router(prefill: str, bootstrap_port: int, decode: str, log_path: Path) -> Iterator[str]:
+    """``smg launch --pd-disaggregation`` in front of the pair; yields its URL once it serves the model list."""
+    port = free_port()
+    command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+               "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ROUTER_STARTUP_S
+        while not _lists_the_model(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"smg did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_process_group(process)
+
+
+def _lists_the_model(url: str) -> bool:
+    with contextlib.suppress(requests.RequestException, ValueError, KeyError):
+        return bool(requests.get(f"{url}/v1/models", timeout=5).json()["data"])
+    return False
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
+    """The prefill and decode instances and smg in front: their URLs."""
+    bootstrap = free_port()
+    prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
+    decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
+    common = ("--dtype", "float32", *TRANSFER)
+    with (
+        running_server(tiny_path, *common, *prefill_args, "--chunked-prefill-size", "128",
+                       log_path=log_dir / "pd-prefill.log") as prefill,
+        running_server(tiny_path, *common, *decode_args, log_path=log_dir / "pd-decode.log") as decode,
+        running_router(prefill, bootstrap, decode, log_dir / "pd-smg.log") as router,
+    ):  # fmt: skip
+        yield {"router": router, "prefill": prefill, "decode": decode}
+
+
+def transfer_report(url: str) -> dict[str, int]:
+    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_transfer"]
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_the_pair_generates_what_one_server_does_and_moves_the_ledgers_bytes(pair, tiny_server, tiny_path, length):
+    before = transfer_report(pair["prefill"])
+    assert greedy(pair["router"], PROMPTS[length], NEW_TOKENS) == greedy(tiny_server, PROMPTS[length], NEW_TOKENS)
+    after = transfer_report(pair["prefill"])
+    layout = PoolLayout(load_config(tiny_path), torch.float32)
+    assert after["states_sent"] - before["states_sent"] == 1
+    assert after["bytes_sent"] - before["bytes_sent"] == layout.state_bytes_at(length)
+
+
+def chat(url: str, messages: list[dict]) -> str:
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0}
+    reply = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_completions_and_a_second_turn_equal_one_servers(pair, tiny_server):
+    messages = [{"role": "user", "content": "The test in utils.py fails with a KeyError. Fix it."}]
+    first = chat(pair["router"], messages)
+    assert first == chat(tiny_server, messages)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Now run the tests."}]
+    assert chat(pair["router"], messages) == chat(tiny_server, messages)
+
+
+def test_every_row_comes_back_on_both_sides_after_a_client_disconnects(pair):
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(requests.Timeout):
+        requests.post(f"{pair['router']}/generate", json={"input_ids": PROMPTS[333], "sampling_params": params},
+                      timeout=3)  # fmt: skip
+    greedy(pair["router"], PROMPTS[259], 4)
+    for side in ("prefill", "decode"):
+        assert_pools_idle(pair[side])

@@ -27,6 +27,7 @@ nothing for V4 (it has no pages to move) and is skipped. What is not built is re
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from .config import ConfigError
@@ -183,19 +184,20 @@ def _skip_cached_prefix_send(original, scheduler, req, *args, **kwargs) -> None:
 # --- bytes moved ---------------------------------------------------------------------------------
 
 _counting = threading.local()
-_moved = {"bytes": 0, "requests": 0}
+_moved = {"bytes": 0, "requests": 0, "seconds": 0.0}
 _moved_lock = threading.Lock()
 
 
 def _counting_request_state(original, manager, req, *args, **kwargs) -> int:
-    """One request's state sent: the bytes of every transfer it submits are counted."""
-    _counting.active = True
+    """One request's state sent: the bytes of every transfer it submits are counted, and the time it takes."""
+    _counting.active, start = True, time.perf_counter()
     try:
         result = original(manager, req, *args, **kwargs)
     finally:
         _counting.active = False
     with _moved_lock:
         _moved["requests"] += 1
+        _moved["seconds"] += time.perf_counter() - start
     return result
 
 
@@ -207,10 +209,11 @@ def _counted_transfer(original, manager, session_id, transfer_blocks) -> int:
     return result
 
 
-def transfer_report() -> dict[str, int]:
-    """What this instance sent: requests' states and their bytes, as submitted to the transfer engine."""
+def transfer_report() -> dict[str, float]:
+    """What this instance sent: requests' states, their bytes as submitted to the transfer engine, and the seconds
+    the sends took (the transfer worker's, beside the scheduler)."""
     with _moved_lock:
-        return {"states_sent": _moved["requests"], "bytes_sent": _moved["bytes"]}
+        return {"states_sent": _moved["requests"], "bytes_sent": _moved["bytes"], "send_seconds": _moved["seconds"]}
 
 
 # --- the decode side's request rows ------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 import requests
 
 STARTUP_TIMEOUT_S = 240
+ROUTER_STARTUP_S = 120
 ONE_TORCH_THREAD = {"OMP_NUM_THREADS": "1"}
 """Server environment for load runs on a small shared host: with two torch threads each op's barrier waits out
 other processes' time slices, and decode under concurrent agents slows 10-30x."""
@@ -130,3 +133,35 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path, tim
             pass
         time.sleep(1)
     raise RuntimeError(f"server not healthy after {timeout_s:g}s:\n{log_path.read_text()[-4000:]}")
+
+
+def smg_command() -> str | None:
+    """The ``smg`` router beside this Python (the ``pd`` extra installs it), or on the path; None without it."""
+    return shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+
+
+@contextmanager
+def running_pd_router(prefill: str, bootstrap_port: int, decode: str, log_path: Path) -> Iterator[str]:
+    """``smg launch --pd-disaggregation`` in front of a prefill instance (its bootstrap port) and a decode instance;
+    yields its URL once it lists their model, and stops it on exit."""
+    port = free_port()
+    command = [smg_command(), "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+               str(free_port()), "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ROUTER_STARTUP_S
+        while not _lists_a_model(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"smg did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_process_group(process)
+
+
+def _lists_a_model(url: str) -> bool:
+    with contextlib.suppress(requests.RequestException, ValueError, KeyError):
+        return bool(requests.get(f"{url}/v1/models", timeout=5).json()["data"])
+    return False

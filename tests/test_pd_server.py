@@ -11,11 +11,6 @@ back on both instances.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +22,11 @@ from serving_checks import assert_pools_idle, greedy
 
 from sglang_dsv4.config import load_config
 from sglang_dsv4.disaggregation import mooncake_installed
-from sglang_dsv4.launch import free_port, running_server, stop_process_group
+from sglang_dsv4.launch import free_port, running_pd_router, running_server, smg_command
 from sglang_dsv4.memory_pool.layout import PoolLayout
 
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(
-    not (mooncake_installed() and SMG), reason="the pd extra (Mooncake's engine and smg) is not installed"
+    not (mooncake_installed() and smg_command()), reason="the pd extra (Mooncake's engine and smg) is not installed"
 )
 
 TRANSFER = ("--disaggregation-transfer-backend", "mooncake_tcp")
@@ -48,35 +42,6 @@ def _prompt(length: int) -> list[int]:
 PROMPTS = {length: _prompt(length) for length in PROMPT_LENGTHS}
 
 
-ROUTER_STARTUP_S = 120
-
-
-@contextlib.contextmanager
-def running_router(prefill: str, bootstrap_port: int, decode: str, log_path: Path) -> Iterator[str]:
-    """``smg launch --pd-disaggregation`` in front of the pair; yields its URL once it serves the model list."""
-    port = free_port()
-    command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
-               "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ROUTER_STARTUP_S
-        while not _lists_the_model(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"smg did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        stop_process_group(process)
-
-
-def _lists_the_model(url: str) -> bool:
-    with contextlib.suppress(requests.RequestException, ValueError, KeyError):
-        return bool(requests.get(f"{url}/v1/models", timeout=5).json()["data"])
-    return False
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
     """The prefill and decode instances and smg in front: their URLs."""
@@ -88,7 +53,7 @@ def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
         running_server(tiny_path, *common, *prefill_args, "--chunked-prefill-size", "128",
                        log_path=log_dir / "pd-prefill.log") as prefill,
         running_server(tiny_path, *common, *decode_args, log_path=log_dir / "pd-decode.log") as decode,
-        running_router(prefill, bootstrap, decode, log_dir / "pd-smg.log") as router,
+        running_pd_router(prefill, bootstrap, decode, log_dir / "pd-smg.log") as router,
     ):  # fmt: skip
         yield {"router": router, "prefill": prefill, "decode": decode}
 

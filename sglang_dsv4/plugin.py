@@ -80,6 +80,7 @@ REQUIRED_HOOKS = (
     *DATA_PARALLEL_HOOKS,
     *ROUTING_HOOKS,
     *SPECULATION_HOOKS,
+    *disaggregation_hooks(),  # the Mooncake ones only with the pd extra installed
 )
 
 
@@ -88,7 +89,7 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
-    require((*REQUIRED_HOOKS, *disaggregation_hooks()))
+    require(REQUIRED_HOOKS)
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()

@@ -11,7 +11,7 @@ greedy output (the pair's must equal the server's), and on the pair the bytes th
 transfer engine and the seconds its sends took (``/server_info``'s ``dsv4_transfer``), against the ledger's state
 of the turn's prompt (``PoolLayout.state_bytes_at``) and against the whole session's state. Turns run one at a time.
 
-    python benchmarks/pd.py [--sessions 4] [--turns 6] [--out benchmarks/results/pd.json]
+    python benchmarks/pd.py [--sessions 4] [--turns 6] [--out benchmarks/results/pd.json] [--sessions-file PATH]
 """
 
 from __future__ import annotations
@@ -114,12 +114,13 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pd.json")
+    parser.add_argument("--sessions-file", type=Path, default=DATA, help="the recorded sessions")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pd-"))
     model = build_checkpoint(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     layout = PoolLayout(load_config(model), torch.float32)
-    sessions = [first_turns(t, args.turns) for t in load_sessions(DATA, SCALE, ToolLatency(median_s=0.0), seed=0)]
+    sessions = [first_turns(t, args.turns) for t in load_sessions(args.sessions_file, SCALE, ToolLatency(median_s=0.0), seed=0)]
     sessions = sessions[: args.sessions]
 
     with contextlib.ExitStack() as stack:

@@ -156,3 +156,13 @@ def test_a_decode_forward_reads_only_what_moved(tiny_model):
             assert (a is None) == (b is None)
             if a is not None:
                 assert torch.equal(a.entries, b.entries) and torch.equal(a.record(), b.record())
+
+
+def test_an_fp8_pool_moves_its_rows_as_stored(float64_tiny_model):
+    """FP8-packed rows move as they are: the decode pool continues exactly as the prefill pool does."""
+    model, length = float64_tiny_model, 333
+    ids = random_ids(length + 4, model.config.vocab_size, seed=448)
+    prefill, decode = new_pool(model.config, torch.float8_e4m3fn), new_pool(model.config, torch.float8_e4m3fn)
+    run_through_pool(model, prefill, 1, ids[:length], [128, 128, 77])
+    move_request_state(prefill, 1, decode, 2, length)
+    assert torch.equal(continue_decoding(model, decode, 2, ids, length), continue_decoding(model, prefill, 1, ids, length))

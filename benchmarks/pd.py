@@ -105,7 +105,7 @@ def summary(name: str, rows: list[dict]) -> dict:
         "setup": name,
         "turns": len(rows),
         "ttft_median_s": statistics.median(r["ttft_s"] for r in rows),
-        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows if r["tokens_per_s"] == r["tokens_per_s"]),
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows if len(r["output"]) > 1),
     }
 
 
@@ -120,18 +120,18 @@ def main() -> None:
     model = build_checkpoint(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     layout = PoolLayout(load_config(model), torch.float32)
-    sessions = [first_turns(t, args.turns) for t in load_sessions(args.sessions_file, SCALE, ToolLatency(median_s=0.0), seed=0)]
-    sessions = sessions[: args.sessions]
+    recorded = load_sessions(args.sessions_file, SCALE, ToolLatency(median_s=0.0), seed=0)
+    sessions = [first_turns(t, args.turns) for t in recorded[: args.sessions]]
 
     with contextlib.ExitStack() as stack:
         single = pinned_server(stack, {0, 1}, model, log_path=work / "single.log")
         alone = replay(single, sessions, tokenizer, None)
     with contextlib.ExitStack() as stack:
         bootstrap = free_port()
-        prefill = pinned_server(stack, {0}, model, *TRANSFER, "--disaggregation-mode", "prefill",
-                                "--disaggregation-bootstrap-port", str(bootstrap), log_path=work / "prefill.log")  # fmt: skip
-        decode = pinned_server(stack, {1}, model, *TRANSFER, "--disaggregation-mode", "decode",
-                               "--disaggregation-bootstrap-port", str(free_port()), log_path=work / "decode.log")  # fmt: skip
+        prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
+        decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
+        prefill = pinned_server(stack, {0}, model, *TRANSFER, *prefill_args, log_path=work / "prefill.log")
+        decode = pinned_server(stack, {1}, model, *TRANSFER, *decode_args, log_path=work / "decode.log")
         router = stack.enter_context(running_pd_router(prefill, bootstrap, decode, work / "smg.log"))
         paired = replay(router, sessions, tokenizer, prefill)
 
@@ -140,8 +140,8 @@ def main() -> None:
         b["ledger_bytes"] = layout.state_bytes_at(b["prompt_tokens"])
         b["transfer_share_of_ttft"] = b["send_s"] / b["ttft_s"]
     result = {
-        "what": "recorded sessions replayed turn by turn, one at a time; tiny random checkpoint, float32, this CPU host",
-        "summary": [summary("one server (cores 0,1)", alone), summary("pair (prefill core 0, decode core 1) + smg", paired)],
+        "what": "recorded sessions turn by turn, one at a time; tiny random checkpoint, float32, this CPU host",
+        "summary": [summary("one server (cores 0,1)", alone), summary("pair (core 0 + core 1) + smg", paired)],
         "all_equal": all(r["equal_to_one_server"] for r in paired),
         "bytes_equal_to_ledger": all(r["bytes_sent"] == r["ledger_bytes"] for r in paired),
         "transfer_share_of_ttft_median": statistics.median(r["transfer_share_of_ttft"] for r in paired),

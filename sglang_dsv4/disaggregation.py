@@ -43,7 +43,9 @@ SENDER_SEND = f"{_MOONCAKE}.MooncakeKVSender.send"
 RECEIVER_METADATA = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata"
 STATE_SEND = f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra"
 ENGINE_TRANSFER = f"{_MOONCAKE}.MooncakeKVManager._transfer_data"
-CACHED_PREFIX_SEND = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk"
+CACHED_PREFIX_SEND = (
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk"
+)
 DECODE_POOL_METHODS = {
     f"{_DECODE_POOL}.free": "_free_row",
     f"{_DECODE_POOL}.clear": "_clear_rows",

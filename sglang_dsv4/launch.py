@@ -145,8 +145,9 @@ def running_pd_router(prefill: str, bootstrap_port: int, decode: str, log_path: 
     """``smg launch --pd-disaggregation`` in front of a prefill instance (its bootstrap port) and a decode instance;
     yields its URL once it lists their model, and stops it on exit."""
     port = free_port()
-    command = [smg_command(), "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-               str(free_port()), "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode]  # fmt: skip
+    command = [smg_command(), "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-port", str(free_port()), "--pd-disaggregation",
+               "--prefill", prefill, str(bootstrap_port), "--decode", decode]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -5,12 +5,15 @@ decode``, ``--disaggregation-transfer-backend mooncake_tcp`` (real bytes over TC
 --pd-disaggregation`` in front. The oracle is the session's single-process server (:func:`conftest.tiny_server`):
 greedy outputs equal token for token, for ``/generate`` and ``/v1/chat/completions``, on prompts past two ratio-128
 blocks with a partial one pending. The bytes the prefill instance submitted to the transfer engine per request are
-the ledger's state of the prompt; after requests, and after a client that disconnects mid-request, every row is
-back on both instances.
+the ledger's state of the prompt; after requests, after a client that disconnects mid-request, and after a
+transfer that fails (the test-only ``fault_plugin`` fails a marked prompt's state send), every row is back on both
+instances.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,9 @@ import pytest
 import requests
 import torch
 from conftest import random_ids
-from serving_checks import assert_pools_idle, greedy
+from fault_plugin import TRANSFER_FAULT
+from serving_checks import assert_pools_idle, generate, greedy
+from test_containment import INNOCENT_VOCAB, TESTS, install_fault_plugin
 
 from sglang_dsv4.config import load_config
 from sglang_dsv4.disaggregation import mooncake_installed
@@ -36,23 +41,26 @@ NEW_TOKENS = 12
 
 
 def _prompt(length: int) -> list[int]:
-    return random_ids(length, 1024, seed=4400 + length).tolist()
+    return random_ids(length, INNOCENT_VOCAB, seed=4400 + length).tolist()
 
 
 PROMPTS = {length: _prompt(length) for length in PROMPT_LENGTHS}
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
-    """The prefill and decode instances and smg in front: their URLs."""
+def pair(tiny_path: Path, log_dir: Path, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The prefill and decode instances (with the test-only fault plugin, which fails marked prompts only) and smg
+    in front: their URLs."""
+    plugin_folder = install_fault_plugin(tmp_path_factory.mktemp("pd-fault-plugin"))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(plugin_folder), str(TESTS), os.environ.get("PYTHONPATH")) if p)}
     bootstrap = free_port()
     prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
     decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
     common = ("--dtype", "float32", *TRANSFER)
     with (
         running_server(tiny_path, *common, *prefill_args, "--chunked-prefill-size", "128",
-                       log_path=log_dir / "pd-prefill.log") as prefill,
-        running_server(tiny_path, *common, *decode_args, log_path=log_dir / "pd-decode.log") as decode,
+                       log_path=log_dir / "pd-prefill.log", env=env) as prefill,
+        running_server(tiny_path, *common, *decode_args, log_path=log_dir / "pd-decode.log", env=env) as decode,
         running_pd_router(prefill, bootstrap, decode, log_dir / "pd-smg.log") as router,
     ):  # fmt: skip
         yield {"router": router, "prefill": prefill, "decode": decode}
@@ -94,5 +102,20 @@ def test_every_row_comes_back_on_both_sides_after_a_client_disconnects(pair):
         requests.post(f"{pair['router']}/generate", json={"input_ids": PROMPTS[333], "sampling_params": params},
                       timeout=3)  # fmt: skip
     greedy(pair["router"], PROMPTS[259], 4)
+    for side in ("prefill", "decode"):
+        assert_pools_idle(pair[side])
+
+
+def test_a_failed_transfer_fails_its_request_only_and_every_row_comes_back(pair):
+    marked = PROMPTS[259][:-1] + [TRANSFER_FAULT]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    reply = generate(pair["router"], marked, sampling_params=params)
+    failed = reply.status_code != 200 or reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert failed, reply.text
+    # SGLang sets the decode session aside after a failed send and probes it back: the pair serves again.
+    deadline = time.monotonic() + 120
+    while generate(pair["router"], PROMPTS[333], sampling_params=params).status_code != 200:
+        assert time.monotonic() < deadline, "the pair did not serve again after a failed transfer"
+        time.sleep(2)
     for side in ("prefill", "decode"):
         assert_pools_idle(pair[side])

@@ -52,7 +52,9 @@ def pair(tiny_path: Path, log_dir: Path, tmp_path_factory) -> Iterator[dict[str,
     """The prefill and decode instances (with the test-only fault plugin, which fails marked prompts only) and smg
     in front: their URLs."""
     plugin_folder = install_fault_plugin(tmp_path_factory.mktemp("pd-fault-plugin"))
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(plugin_folder), str(TESTS), os.environ.get("PYTHONPATH")) if p)}
+    path = os.pathsep.join(p for p in (str(plugin_folder), str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    # SGLang probes a decode session it set aside after a failed send every 30 s by default: 2 s here.
+    env = {"PYTHONPATH": path, "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "2"}
     bootstrap = free_port()
     prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
     decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))

@@ -29,7 +29,7 @@ import triton.language as tl
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kernels import indexer
 from sglang_dsv4.kernels.fp8_rows import fp8_key_rows
-from sglang_dsv4.kernels.kv_format import REFERENCE_KEY_ROW_ALIGNMENT, Fp8KeyRows
+from sglang_dsv4.kernels.kv_format import Fp8KeyRows
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_indexer import Timer, measure_ceilings  # noqa: E402
@@ -83,9 +83,9 @@ def inputs(batch: int, fp8: bool, row_bytes: int = 132):
     q = torch.randn(batch, heads, dim, device=DEVICE, generator=generator).to(torch.bfloat16)
     weights = torch.randn(batch, heads, device=DEVICE, generator=generator)
     values = torch.randn(1 + batch * width, dim, device=DEVICE, generator=generator)
-    row_format = Fp8KeyRows(dim, REFERENCE_KEY_ROW_ALIGNMENT)
+    row_format = Fp8KeyRows(dim)
     keys = row_format.encode(values) if fp8 else values.to(torch.bfloat16)
-    if fp8 and row_bytes > keys.shape[1]:  # rows padded to a 16-byte multiple (the pools' since 2026-12-05)
+    if fp8 and row_bytes > keys.shape[1]:  # rows padded to a 16-byte multiple (a layout not shipped)
         keys = torch.nn.functional.pad(keys, (0, row_bytes - keys.shape[1])).contiguous()
     table = (1 + torch.randperm(batch * width, device=DEVICE, generator=generator).int()).view(batch, width)
     lengths = torch.full((batch,), width, dtype=torch.int32, device=DEVICE)

@@ -15,8 +15,7 @@ Either pool's rows may be DeepSeek's FP8 rows (``--kv-cache-dtype fp8_e4m3``,
 
 Index buffers have a fixed width per call and a length per row, so one launch serves
 rows of different lengths and can be captured in a CUDA graph. A program handles one
-row and a block of heads (over FP8 rows, one of ``FP8_CHANNEL_GROUPS`` spans of the output's
-channels: its logits over all of them, its weighted sum over its span); when rows times head blocks are too few to fill the GPU
+row and a block of heads; when rows times head blocks are too few to fill the GPU
 (small batches, long ratio-128 lists) the entries are split across programs whose
 partial softmax states a second kernel merges.
 """
@@ -38,10 +37,6 @@ from .sparse_torch import sparse_decode_attention_reference  # noqa: F401  (the 
 
 LOG2E = 1.4426950408889634
 MERGE_BLOCK_HEADS = 16  # small blocks: the merge is a pure stream, and many programs keep it wide
-# Over FP8 rows a program accumulates half the output's channels (recomputing the logits, which read all of them):
-# the dequantized tile is built in registers, and beside a [64, 512] float32 accumulator it spilled (1.5 KB of
-# spill stores a thread for V4's dims under ptxas: benchmarks/NOTES.md, "The FP8 attention's register spill").
-FP8_CHANNEL_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -102,10 +97,8 @@ def sparse_decode_attention(
     block_heads = min(launch.block_heads, max(16, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_heads)
     width = window.indices.shape[1] + compressed.indices.shape[1]
-    fp8_format = _fp8_format(window, compressed)
-    channel_groups = FP8_CHANNEL_GROUPS if fp8_format is not None and head_dim >= 64 * FP8_CHANNEL_GROUPS else 1
     if splits is None:
-        splits = choose_splits(rows * head_blocks * channel_groups, width, heads, q.device)
+        splits = choose_splits(rows * head_blocks, width, heads, q.device)
     out = torch.empty_like(q)
     if rows == 0:
         return out
@@ -115,10 +108,9 @@ def sparse_decode_attention(
         partial_stats = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32"
     window_fp8, compressed_fp8 = (isinstance(part.row_format, Fp8EntryRows) for part in (window, compressed))
-    fp8_rows = fp8_format or Fp8EntryRows(head_dim, 0)  # its offsets unused
-    # Head blocks (and channel groups) vary fastest, so the programs sharing a row's entries run together and meet
-    # them in the L2.
-    _sparse_attention_kernel[(head_blocks * channel_groups, rows, splits)](
+    fp8_rows = _fp8_format(window, compressed) or Fp8EntryRows(head_dim, 0)  # its offsets unused
+    # Head blocks vary fastest, so the programs sharing a row's entries run together and meet them in the L2.
+    _sparse_attention_kernel[(head_blocks, rows, splits)](
         q, q.stride(0), q.stride(1),
         window.pool, window.pool.stride(0), window.indices, window.indices.stride(0), window.lengths,
         compressed.pool, compressed.pool.stride(0), compressed.indices, compressed.indices.stride(0),
@@ -128,7 +120,7 @@ def sparse_decode_attention(
         partial_acc, partial_stats,
         heads, scale * LOG2E,
         HEAD_DIM=head_dim, ROPE_DIM=rope_dim, BLOCK_H=block_heads, BLOCK_N=launch.block_entries, SPLITS=splits,
-        CHANNEL_GROUPS=channel_groups, DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
+        DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
         WINDOW_FP8=window_fp8, COMPRESSED_FP8=compressed_fp8, NOPE_DIM=fp8_rows.nope_dim,
         SCALE_OFFSET=fp8_rows.scale_offset, ROW_BYTES=fp8_rows.row_bytes,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -258,13 +250,11 @@ def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[i
 
 @triton.jit
 def _attend_entries(
-    q, m_i, l_i, acc, kv_ptr, kv_row_stride, index_ptr, start, end, scale_log2, first_channel,
-    HEAD_DIM: tl.constexpr, OUT_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, FP8_ROWS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    q, m_i, l_i, acc, kv_ptr, kv_row_stride, index_ptr, start, end, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    FP8_ROWS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
-    """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits);
-    ``acc`` holds the output's channels ``first_channel .. first_channel + OUT_DIM - 1``.
+    """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits).
 
     With ``FP8_ROWS`` the pool's rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`), dequantized
     here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value)."""
@@ -274,8 +264,7 @@ def _attend_entries(
         valid = slots < end
         rows = tl.load(index_ptr + slots, mask=valid, other=0).to(tl.int64)
         if FP8_ROWS:
-            kv = fp8_entry_rows(kv_ptr, rows, valid, 0, HEAD_DIM, HEAD_DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES)
-            kv = kv.to(q.dtype)
+            kv = fp8_entry_rows(kv_ptr, rows, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES).to(q.dtype)
         else:
             kv = tl.load(kv_ptr + rows[:, None] * kv_row_stride + columns[None, :], mask=valid[:, None], other=0.0)
         logits = dot(q, tl.trans(kv), DOT_PRECISION, UPCAST_DOT) * scale_log2
@@ -284,17 +273,7 @@ def _attend_entries(
         correction = tl.exp2(m_i - m_new)
         probs = tl.exp2(logits - m_new[:, None])
         l_i = l_i * correction + tl.sum(probs, 1)
-        values = kv
-        if OUT_DIM < HEAD_DIM:  # this program's channels of the rows, read again (from the L1 or L2)
-            if FP8_ROWS:
-                values = fp8_entry_rows(
-                    kv_ptr, rows, valid, first_channel, HEAD_DIM, OUT_DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES
-                ).to(q.dtype)
-            else:
-                channels = first_channel + tl.arange(0, OUT_DIM)
-                pointers = kv_ptr + rows[:, None] * kv_row_stride + channels[None, :]
-                values = tl.load(pointers, mask=valid[:, None], other=0.0)
-        acc = acc * correction[:, None] + dot(probs.to(kv.dtype), values, DOT_PRECISION, UPCAST_DOT)
+        acc = acc * correction[:, None] + dot(probs.to(kv.dtype), kv, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -302,20 +281,19 @@ def _attend_entries(
 @triton.jit
 def _store_with_inverse_rope(
     values, out_ptr, out_row_stride, out_head_stride, row, heads, head_ok, cos_ptr, sin_ptr, rope_row_stride,
-    first_channel, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Store ``values [BLOCK_H, OUT_DIM]`` (float32), the output's channels from ``first_channel``, with the
-    head's trailing rope pairs among them rotated back."""
-    pairs = tl.reshape(values, (BLOCK_H, OUT_DIM // 2, 2))
+    """Store ``values [BLOCK_H, HEAD_DIM]`` (float32) with its trailing rope pairs rotated back."""
+    pairs = tl.reshape(values, (BLOCK_H, HEAD_DIM // 2, 2))
     even, odd = tl.split(pairs)
-    pair = first_channel // 2 + tl.arange(0, OUT_DIM // 2)
+    pair = tl.arange(0, HEAD_DIM // 2)
     rope_pair = pair - (HEAD_DIM - ROPE_DIM) // 2
     is_rope = rope_pair >= 0
     cos = tl.load(cos_ptr + row * rope_row_stride + rope_pair, mask=is_rope, other=1.0)[None, :]
     sin = tl.load(sin_ptr + row * rope_row_stride + rope_pair, mask=is_rope, other=0.0)[None, :]
     rotated = tl.join(even * cos + odd * sin, odd * cos - even * sin)
-    values = tl.reshape(rotated, (BLOCK_H, OUT_DIM))
-    columns = first_channel + tl.arange(0, OUT_DIM)
+    values = tl.reshape(rotated, (BLOCK_H, HEAD_DIM))
+    columns = tl.arange(0, HEAD_DIM)
     pointers = out_ptr + row * out_row_stride + heads[:, None] * out_head_stride + columns[None, :]
     tl.store(pointers, values.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
@@ -330,14 +308,11 @@ def _sparse_attention_kernel(
     partial_acc, partial_stats,
     num_heads, scale_log2,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, CHANNEL_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     WINDOW_FP8: tl.constexpr, COMPRESSED_FP8: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
     ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
-    OUT_DIM: tl.constexpr = HEAD_DIM // CHANNEL_GROUPS
-    group = tl.program_id(0) % CHANNEL_GROUPS
-    first_channel = group * OUT_DIM
-    heads = tl.program_id(0) // CHANNEL_GROUPS * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
     split = tl.program_id(2)
     head_ok = heads < num_heads
@@ -354,29 +329,27 @@ def _sparse_attention_kernel(
     # The sink starts the softmax: running max = sink, and its weight exp(0) = 1 counted once.
     m_i = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_H, OUT_DIM), tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     m_i, l_i, acc = _attend_entries(
         q, m_i, l_i, acc, window_kv, window_kv_stride, window_index + row * window_index_stride,
-        start, tl.minimum(end, n_window), scale_log2, first_channel, HEAD_DIM, OUT_DIM, BLOCK_N, DOT_PRECISION,
-        UPCAST_DOT, WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
+        start, tl.minimum(end, n_window), scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
     )  # fmt: skip
     m_i, l_i, acc = _attend_entries(
         q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index + row * compressed_index_stride,
-        tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2, first_channel,
-        HEAD_DIM, OUT_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
+        tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
+        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
     )  # fmt: skip
     if SPLITS == 1:
         _store_with_inverse_rope(
             acc / l_i[:, None], out_ptr, out_row_stride, out_head_stride, row, heads, head_ok,
-            cos_ptr, sin_ptr, rope_row_stride, first_channel, HEAD_DIM, ROPE_DIM, BLOCK_H, OUT_DIM,
+            cos_ptr, sin_ptr, rope_row_stride, HEAD_DIM, ROPE_DIM, BLOCK_H,
         )  # fmt: skip
     else:
         slot = (row * SPLITS + split) * num_heads + heads
-        out_columns = first_channel + tl.arange(0, OUT_DIM)
-        tl.store(partial_acc + slot[:, None] * HEAD_DIM + out_columns[None, :], acc, mask=head_ok[:, None])
-        stats_ok = head_ok & (group == 0)  # every channel group's are the same
-        tl.store(partial_stats + slot * 2, m_i, mask=stats_ok)
-        tl.store(partial_stats + slot * 2 + 1, l_i, mask=stats_ok)
+        tl.store(partial_acc + slot[:, None] * HEAD_DIM + columns[None, :], acc, mask=head_ok[:, None])
+        tl.store(partial_stats + slot * 2, m_i, mask=head_ok)
+        tl.store(partial_stats + slot * 2 + 1, l_i, mask=head_ok)
 
 
 @triton.jit
@@ -405,5 +378,5 @@ def _merge_splits_kernel(
         acc += weight[:, None] * part
     _store_with_inverse_rope(
         acc / total[:, None], out_ptr, out_row_stride, out_head_stride, row, heads, head_ok,
-        cos_ptr, sin_ptr, rope_row_stride, 0, HEAD_DIM, ROPE_DIM, BLOCK_H, HEAD_DIM,
+        cos_ptr, sin_ptr, rope_row_stride, HEAD_DIM, ROPE_DIM, BLOCK_H,
     )  # fmt: skip

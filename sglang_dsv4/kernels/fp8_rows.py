@@ -30,33 +30,29 @@ def _e4m3_value(codes):
 
 @triton.jit
 def fp8_entry_rows(
-    rows_ptr, rows, valid, first,
-    HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    rows_ptr, rows, valid,
+    HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):  # fmt: skip
-    """Channels ``first .. first + CHANNELS - 1`` (``first`` a multiple of ``CHANNELS``; all ``HEAD_DIM`` of them
-    from 0) of FP8 entry rows (bytes, ``ROW_BYTES`` apart), ``[BLOCK_N, CHANNELS]`` float32: ``e4m3 * 2**(scale
+    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes, ``ROW_BYTES`` apart): ``e4m3 * 2**(scale
     byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope channels. Exact.
 
     Read as ``[BLOCK_N, blocks, 64]`` (one scale a block, loaded once): the FP8 bytes, each row's scale bytes, and
-    its rope values, which lie in the row's last block (``rope_dim <= 64``, as the attention's wrapper checks)."""
-    BLOCKS: tl.constexpr = (CHANNELS + 63) // 64
-    WIDTH: tl.constexpr = CHANNELS // BLOCKS
+    its rope values, which lie in the last block (``rope_dim <= 64``, as the attention's wrapper checks)."""
+    BLOCKS: tl.constexpr = (HEAD_DIM + 63) // 64
+    WIDTH: tl.constexpr = HEAD_DIM // BLOCKS
     ROPE_DIM: tl.constexpr = HEAD_DIM - NOPE_DIM
     block = tl.arange(0, BLOCKS)[None, :, None]
     within = tl.arange(0, WIDTH)[None, None, :]
-    block_start = first + block * WIDTH
-    columns = block_start + within
+    columns = block * WIDTH + within
     row_bytes = rows_ptr + rows[:, None, None] * ROW_BYTES
     ok = valid[:, None, None]
     fp8 = tl.load(row_bytes + columns, mask=ok & (columns < NOPE_DIM), other=0)
-    exponents = tl.load(row_bytes + SCALE_OFFSET + block_start // 64, mask=ok & (block_start < NOPE_DIM), other=127)
-    rope_column = within - (WIDTH - ROPE_DIM)  # the row's last block's trailing ROPE_DIM columns
-    holds_rope = first + CHANNELS >= HEAD_DIM
+    exponents = tl.load(row_bytes + SCALE_OFFSET + block, mask=ok & (block * WIDTH < NOPE_DIM), other=127)
+    rope_column = within - (WIDTH - ROPE_DIM)  # the last block's trailing ROPE_DIM columns
     rope_values = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.bfloat16)) + rope_column
-    rope = tl.load(rope_values, mask=ok & (rope_column >= 0) & holds_rope, other=0.0).to(tl.float32)
+    rope = tl.load(rope_values, mask=ok & (rope_column >= 0), other=0.0).to(tl.float32)
     values = tl.where(columns < NOPE_DIM, _e4m3_value(fp8) * _power_of_two(exponents.to(tl.int32)), rope)
-    return tl.reshape(values, (rows.shape[0], CHANNELS))
+    return tl.reshape(values, (rows.shape[0], HEAD_DIM))
 
 
 @triton.jit

@@ -10,7 +10,7 @@ intermediates, to set beside a dense ``[tokens x context]`` float32 mask (2 GiB)
 FLOP floor: the projections 2 x tokens x weights; the attention 4 x heads x head_dim x keys read per token
 (window, then ratio-4 layers the top-k entries, ratio-128 layers every complete entry); ratio-4 layers'
 indexer scoring 2 x index heads x index_head_dim x visible keys per token. Bytes: the weights, every KV row
-and key read once as the pools store it (bf16, or DeepSeek's FP8 rows: 584 B a window row or entry, 132 B a key).
+and key read once as the pools store it (bf16, or DeepSeek's FP8 rows: 584 B a window row or entry, 144 B a key).
 
 ``--kv-dtypes bf16,fp8``: each chunk over bf16 pools and over FP8 pools holding the same values, in one run; an
 FP8 row reports its output's largest difference from the bf16 pools' output (relative to the output's largest

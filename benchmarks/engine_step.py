@@ -35,7 +35,7 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
 
 Bytes are counted as distinct requests move them: window 128 rows (staged), ratio-4 layers ``index_topk``
 selected entries and all ``context / 4`` indexer keys, ratio-128 layers all ``context / 128`` entries, every row
-as the pools store it (bf16 values, or FP8 rows: 584 B a window row or entry and 132 B a key at V4's dims).
+as the pools store it (bf16 values, or FP8 rows: 584 B a window row or entry and 144 B a key at V4's dims).
 """
 
 from __future__ import annotations

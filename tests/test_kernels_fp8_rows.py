@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_testing import IN_INTERPRETER, launcher_only, run_under_interpreter
 
-from sglang_dsv4.kernels.kv_format import FP8, Fp8EntryRows, Fp8KeyRows
+from sglang_dsv4.kernels.kv_format import FP8, REFERENCE_KEY_ROW_ALIGNMENT, Fp8EntryRows, Fp8KeyRows
 
 ON_GPU = not IN_INTERPRETER and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -81,9 +81,9 @@ def test_entry_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int, rope
 
 
 @runs_kernels
-@pytest.mark.parametrize("dim", [128, 32])
-def test_key_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int):
-    row_format = Fp8KeyRows(dim)
+@pytest.mark.parametrize(("dim", "alignment"), [(128, 16), (32, 16), (128, REFERENCE_KEY_ROW_ALIGNMENT)])
+def test_key_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int, alignment: int):
+    row_format = Fp8KeyRows(dim, alignment)
     stored = every_code(row_format, 41, seed=dim).to(DEVICE)
     assert torch.equal(decoded_in_kernel(stored, row_format), row_format.decode(stored, torch.float32))
 
@@ -106,7 +106,14 @@ def values_to_encode(row_format: Fp8EntryRows | Fp8KeyRows, seed: int) -> torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "row_format",
-    [Fp8EntryRows(512, 64), Fp8EntryRows(64, 16), Fp8EntryRows(128, 64), Fp8KeyRows(128), Fp8KeyRows(256)],
+    [
+        Fp8EntryRows(512, 64),
+        Fp8EntryRows(64, 16),
+        Fp8EntryRows(128, 64),
+        Fp8KeyRows(128),
+        Fp8KeyRows(128, REFERENCE_KEY_ROW_ALIGNMENT),
+        Fp8KeyRows(256),
+    ],
     ids=repr,
 )
 def test_rows_encoded_in_one_launch_equal_the_codec_byte_for_byte(row_format, dtype):

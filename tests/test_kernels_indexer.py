@@ -17,7 +17,7 @@ import torch
 from kernel_testing import interpreted_only, launcher_only, poison_allocations, relative_error, run_under_interpreter
 
 from sglang_dsv4.config import parse_config
-from sglang_dsv4.kernels.kv_format import Fp8KeyRows
+from sglang_dsv4.kernels.kv_format import REFERENCE_KEY_ROW_ALIGNMENT, Fp8KeyRows
 from sglang_dsv4.model.indexer import Indexer
 from sglang_dsv4.model.rope import ForwardRope, Rotary
 from sglang_dsv4.tiny import TINY_CONFIG
@@ -95,13 +95,18 @@ def test_scores_match_float64_reference(indexer, poisoned, rows, heads, dim, poo
 
 
 @interpreted_only
-@pytest.mark.parametrize(("dim", "dtype"), [(32, torch.float32), (256, torch.float32), (64, torch.bfloat16)])
-def test_scores_of_fp8_key_rows_dequantized_in_the_kernel_match_the_reference(indexer, poisoned, dim, dtype):
-    """FP8 key rows (one float32 scale per 128 values: two blocks at 256) against the torch scores of the same
-    rows, decoded."""
+@pytest.mark.parametrize(
+    ("dim", "dtype", "alignment"),
+    [(32, torch.float32, 16), (256, torch.float32, 16), (64, torch.bfloat16, 16), (128, torch.float32, 4)],
+)
+def test_scores_of_fp8_key_rows_dequantized_in_the_kernel_match_the_reference(
+    indexer, poisoned, dim, dtype, alignment
+):
+    """FP8 key rows (one float32 scale per 128 values: two blocks at 256), padded to 16-byte rows as the pools
+    store them or as the reference's 4-byte ones, against the torch scores of the same rows, decoded."""
     generator = torch.Generator().manual_seed(dim)
     rows, heads, pool_rows, width = 3, 32, 60, 41
-    row_format = Fp8KeyRows(dim)
+    row_format = Fp8KeyRows(dim, alignment)
     q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
     weights = torch.randn(rows, heads, generator=generator)
     values = torch.randn(pool_rows, dim, generator=generator) * torch.logspace(-3, 2, pool_rows)[:, None]

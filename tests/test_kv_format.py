@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows, PlainRows, pool_formats
+from sglang_dsv4.kernels.kv_format import (
+    REFERENCE_KEY_ROW_ALIGNMENT,
+    Fp8EntryRows,
+    Fp8KeyRows,
+    PlainRows,
+    pool_formats,
+)
 
 
 def _fp8(value: float) -> float:
@@ -56,10 +62,21 @@ def test_entry_rows_store_fp8_with_ue8m0_scales_and_rope_in_bf16(dim: int, rope_
     assert torch.equal(stored[:, nope : nope + 2 * rope_dim].contiguous().view(torch.bfloat16), rope)
 
 
-def test_v4_rows_have_the_reference_sizes():
+def test_v4_rows_have_the_reference_sizes_and_our_keys_end_on_16_bytes():
     formats = pool_formats(torch.float8_e4m3fn, head_dim=512, rope_dim=64, index_head_dim=128)
     assert formats.entries.row_bytes == 448 + 64 * 2 + 7 + 1
-    assert formats.indexer_keys.row_bytes == 128 + 4
+    assert formats.indexer_keys.row_bytes == 128 + 4 + 12  # padded to 16-byte rows
+    reference = pool_formats(torch.float8_e4m3fn, 512, 64, 128, key_row_alignment=REFERENCE_KEY_ROW_ALIGNMENT)
+    assert reference.indexer_keys.row_bytes == 128 + 4
+
+
+def test_a_padded_key_row_holds_the_reference_row_and_zeros():
+    values = _rows(6, 128, seed=5)
+    padded, reference = Fp8KeyRows(128), Fp8KeyRows(128, REFERENCE_KEY_ROW_ALIGNMENT)
+    stored = padded.encode(values)
+    assert torch.equal(stored[:, :132], reference.encode(values))
+    assert not stored[:, 132:].any()
+    assert torch.equal(padded.decode(stored, torch.float32), reference.decode(stored[:, :132], torch.float32))
 
 
 @pytest.mark.parametrize("dim", [128, 32, 200])
@@ -71,7 +88,7 @@ def test_indexer_keys_store_fp8_with_a_power_of_two_float32_scale_per_128(dim: i
     for row, value in enumerate(values.tolist()):
         expected, exponents = _transcribed(value, 128)
         assert decoded[row].tolist() == expected
-        scales = stored[row, layout.scale_offset :].contiguous().view(torch.float32).tolist()
+        scales = stored[row, layout.scale_offset : layout.scales_end].contiguous().view(torch.float32).tolist()
         assert scales == [2.0**e for e in exponents]
 
 

@@ -78,10 +78,13 @@ def test_dsv4_ledger_totals_the_requested_contexts_in_the_requested_dtype(capsys
 
 
 @pytest.mark.parametrize("name", ["flash", "pro"])
-def test_with_fp8_kv_our_rows_are_the_reference_rows(name):
+def test_with_fp8_kv_our_rows_are_the_reference_rows_with_keys_padded_to_144_bytes(name):
     ledger = KVLedger(named_config(name), torch.float8_e4m3fn)
-    reference, ours = ledger.reference, ledger.ours
-    assert ours.bytes_per_token == reference.bytes_per_token  # V4-Flash 3,850 B, V4-Pro 5,511 B
+    reference, ours, config = ledger.reference, ledger.ours, ledger.config
+    key_layers = sum(config.layer_kind(layer) == "csa" for layer in range(config.num_layers))
+    padding_per_token = key_layers * (144 - 132) / config.csa_rate
+    # V4-Flash 3,850 + 63 B, V4-Pro 5,511 + 90 B
+    assert ours.bytes_per_token == reference.bytes_per_token + padding_per_token
     assert ours.window_slot_bytes == ledger.config.num_layers * reference.entry_bytes
     assert KVLedger(named_config(name), torch.bfloat16).ours.bytes_per_token > 1.7 * ours.bytes_per_token
 

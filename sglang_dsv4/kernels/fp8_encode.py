@@ -37,10 +37,16 @@ def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows)
         values, out, rows,
         DIM=dim, NOPE_DIM=row_format.nope_dim if entries else dim, BLOCKS=blocks, WIDTH=dim // blocks,
         SCALES=row_format.scales, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=row_format.row_bytes,
-        FLOAT32_SCALES=not entries,
+        FLOAT32_SCALES=not entries, PADDING_WIDTH=triton.next_power_of_2(max(_padding_bytes(row_format), 1)),
         BLOCK_R=ROWS_PER_PROGRAM, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _padding_bytes(row_format: Fp8EntryRows | Fp8KeyRows) -> int:
+    """The bytes after a row's scales: an entry's odd byte, a key row's padding to its alignment."""
+    scale_bytes = row_format.scales * (1 if isinstance(row_format, Fp8EntryRows) else 4)
+    return row_format.row_bytes - row_format.scale_offset - scale_bytes
 
 
 @triton.jit
@@ -83,7 +89,7 @@ def _encode_kernel(
     values_ptr, out_ptr, rows_count,
     DIM: tl.constexpr, NOPE_DIM: tl.constexpr, BLOCKS: tl.constexpr, WIDTH: tl.constexpr,
     SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    PADDING_WIDTH: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[BLOCK_R, BLOCKS, WIDTH]``: the FP8 values of the first ``NOPE_DIM`` columns with one scale a block
     (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after them."""
@@ -110,6 +116,7 @@ def _encode_kernel(
         rope = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (columns - NOPE_DIM)
         tl.store(rope, _bf16_bits(values), mask=ok & ~nope)
     PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
-    if PADDING > 0:  # an entry row's byte after its scales (its rope and scales end on an odd byte)
-        padding = row_bytes + ROW_BYTES - PADDING + tl.arange(0, 1)[None, :, None]
-        tl.store(padding, tl.zeros((BLOCK_R, 1, 1), tl.uint8), mask=ok)
+    if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
+        padding = tl.arange(0, PADDING_WIDTH)[None, :, None]
+        zeros = tl.zeros((BLOCK_R, PADDING_WIDTH, 1), tl.uint8)
+        tl.store(row_bytes + ROW_BYTES - PADDING + padding, zeros, mask=ok & (padding < PADDING))

@@ -4,8 +4,8 @@ The kernels load a row's bytes and rebuild its values exactly (an E4M3 value tim
 value). An E4M3 byte is bit-cast to ``tl.float8e4nv`` and converted to float32 (the hardware conversion on
 CUDA; Triton's interpreter converts every finite code alike, and the format never stores the NaN codes 0x7f /
 0xff). A row's stride is a constexpr (``ROW_BYTES``, the format's row size: the pools' rows are contiguous), so
-the compiler knows each row's alignment (8 bytes for V4's 584-byte entries, 4 for its 132-byte keys) and loads
-a row's bytes in words rather than one at a time. A row's scales are loaded once each, not once per value (the
+the compiler knows each row's alignment (8 bytes for V4's 584-byte entries, 16 for the pools' 144-byte keys, 4
+for the reference's 132-byte ones) and loads a row's bytes in words that wide rather than one at a time. A row's scales are loaded once each, not once per value (the
 row read as ``[rows, blocks, block]``); an entry's rope values through a bf16 pointer, a key's scales through a
 float32 one.
 """

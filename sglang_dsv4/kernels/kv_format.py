@@ -19,9 +19,12 @@ so that a turn resumed from the pools computes what a cold one does.
 * :class:`Fp8KeyRows` (indexer keys): every value FP8 E4M3, each block of ``KEY_SCALE_BLOCK`` scaled
   by a power of two (as above) stored as a float32::
 
-      row = [ q_0 .. q_{dim-1} : e4m3 | pad to 4 bytes | s_b of each block : float32 ]
+      row = [ q_0 .. q_{dim-1} : e4m3 | pad to 4 bytes | s_b of each block : float32 | pad to row_alignment ]
 
-  132 bytes for V4's ``index_head_dim`` 128.
+  Our pools' rows end on ``KEY_ROW_ALIGNMENT`` (16) bytes: 144 bytes for V4's ``index_head_dim`` 128, so that
+  every row's codes start 16-byte aligned and a kernel loads them in 16-byte words (a 132-byte row is loaded 4
+  bytes at a time: benchmarks/NOTES.md, "FP8 indexer keys padded to 144 B"). DeepSeek's and upstream SGLang's
+  rows end on 4 bytes (``REFERENCE_KEY_ROW_ALIGNMENT``): 132 bytes, the reference layout's.
 
 A block is the last one's remainder where ``dim`` is not a multiple of its size (small test configs).
 Power-of-two scales make the division exact, so an encode on any device rounds the same value once, to
@@ -40,6 +43,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest E4M3 value
 ENTRY_SCALE_BLOCK = 64  # FP8 values per UE8M0 scale in an entry row
 KEY_SCALE_BLOCK = 128  # FP8 values per float32 scale in an indexer key row
+KEY_ROW_ALIGNMENT = 16  # our pools' indexer key rows: 16-byte loads of every row's codes
+REFERENCE_KEY_ROW_ALIGNMENT = 4  # DeepSeek's (upstream SGLang's) indexer key rows: codes, then float32 scales
 UE8M0_BIAS = 127
 # The smallest block maximum a scale is computed from (upstream's): an all-zero block stores zeros.
 AMAX_FLOOR = 1e-8
@@ -149,9 +154,11 @@ class Fp8EntryRows:
 
 @dataclass(frozen=True)
 class Fp8KeyRows:
-    """Indexer keys: FP8 with a power-of-two float32 scale per ``KEY_SCALE_BLOCK``."""
+    """Indexer keys: FP8 with a power-of-two float32 scale per ``KEY_SCALE_BLOCK``, rows padded to end on
+    ``row_alignment`` bytes."""
 
     dim: int
+    row_alignment: int = KEY_ROW_ALIGNMENT
 
     @property
     def scales(self) -> int:
@@ -162,8 +169,12 @@ class Fp8KeyRows:
         return _aligned(self.dim, torch.float32.itemsize)
 
     @property
-    def row_bytes(self) -> int:
+    def scales_end(self) -> int:
         return self.scale_offset + self.scales * torch.float32.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return _aligned(self.scales_end, self.row_alignment)
 
     def empty(self, rows: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=device)
@@ -173,13 +184,13 @@ class Fp8KeyRows:
         quantized, exponents = _quantize(values.float(), KEY_SCALE_BLOCK)
         rows[:, : self.dim] = quantized.view(torch.uint8)
         scales = torch.exp2(exponents.float()).contiguous()
-        rows[:, self.scale_offset :] = scales.view(torch.uint8)
+        rows[:, self.scale_offset : self.scales_end] = scales.view(torch.uint8)
         return rows
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows = rows.reshape(-1, self.row_bytes)
         quantized = rows[:, : self.dim].contiguous().view(FP8)
-        scales = rows[:, self.scale_offset :].contiguous().view(torch.float32)
+        scales = rows[:, self.scale_offset : self.scales_end].contiguous().view(torch.float32)
         return _dequantize(quantized, scales, KEY_SCALE_BLOCK).to(dtype)
 
     def round_trip(self, values: torch.Tensor) -> torch.Tensor:
@@ -198,10 +209,17 @@ class PoolFormats:
         return isinstance(self.entries, Fp8EntryRows)
 
 
-def pool_formats(kv_dtype: torch.dtype, head_dim: int, rope_dim: int, index_head_dim: int) -> PoolFormats:
-    """The formats a pool of KV dtype ``kv_dtype`` stores: FP8 E4M3 means DeepSeek's layout, a float dtype itself."""
+def pool_formats(
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    rope_dim: int,
+    index_head_dim: int,
+    key_row_alignment: int = KEY_ROW_ALIGNMENT,
+) -> PoolFormats:
+    """The formats a pool of KV dtype ``kv_dtype`` stores: FP8 E4M3 means DeepSeek's layout (its indexer key rows
+    padded to end on ``key_row_alignment`` bytes), a float dtype itself."""
     if kv_dtype == FP8:
-        return PoolFormats(Fp8EntryRows(head_dim, rope_dim), Fp8KeyRows(index_head_dim))
+        return PoolFormats(Fp8EntryRows(head_dim, rope_dim), Fp8KeyRows(index_head_dim, key_row_alignment))
     if not kv_dtype.is_floating_point or kv_dtype.itemsize < 2:
         raise ValueError(f"KV dtype {kv_dtype} has no V4 pool format: use float32, bfloat16 or float8_e4m3fn")
     return PoolFormats(PlainRows(head_dim, kv_dtype), PlainRows(index_head_dim, kv_dtype))

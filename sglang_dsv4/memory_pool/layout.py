@@ -33,7 +33,8 @@ tokens), so a forward whose token slots SGLang found always finds its entry rows
 
 Window rows, compressed entries and indexer keys are stored in the KV dtype's row formats
 (:attr:`PoolLayout.formats`): the values themselves in float32 or bfloat16, or DeepSeek's FP8 rows
-under an FP8 KV dtype (584 B a window row or entry, 132 B an indexer key at V4's dims).
+under an FP8 KV dtype (584 B a window row or entry, 144 B an indexer key at V4's dims: the reference's
+132 B padded to 16-byte rows, :data:`~sglang_dsv4.kernels.kv_format.KEY_ROW_ALIGNMENT`).
 
 The pool (:mod:`.pool`) allocates exactly these buffers, and the KV ledger reads its
 figures from here, so the number a user reads is the number the server uses.

@@ -8,7 +8,7 @@ Two layouts side by side, for any V4 config:
   kept as raw float32 rows;
 * *ours*, read from :class:`~.layout.PoolLayout` — the definitions :class:`~.storage.V4PoolStorage`
   allocates from, so the figure a user reads is the figure the server uses: entries, window
-  rows and indexer keys in the KV dtype (under FP8, the reference's rows:
+  rows and indexer keys in the KV dtype (under FP8, the reference's rows, indexer keys padded from 132 to 144 B:
   :mod:`sglang_dsv4.kernels.kv_format`), the window as a per-request ring, and the compressor
   state as float32 online softmax pools (DESIGN.md, "The state of one request").
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DeepseekV4Config, check_tensor_parallel, load_config, named_config, parse_config
-from ..kernels.kv_format import FP8, PoolFormats, pool_formats
+from ..kernels.kv_format import FP8, REFERENCE_KEY_ROW_ALIGNMENT, PoolFormats, pool_formats
 from ..model.weight_layout import Parallelism, TensorSpec, checkpoint_tensors
 from .layout import CHECKPOINT_WINDOWS_PER_REQUEST_ROW, PoolLayout
 
@@ -57,7 +57,8 @@ QUANTIZATIONS = {"fp8": True, "none": False}
 # under --kv-cache-dtype fp8_e4m3. A KV entry: the non-rope dims in FP8 with one UE8M0 scale byte per 64 of
 # them, the rope dims in BF16, one pad byte (448 + 64 * 2 + 7 + 1 = 584 bytes for head_dim 512, rope 64).
 # An indexer key: FP8 values with one float32 scale per 128 of them (128 + 4 = 132 bytes for index_head_dim
-# 128; an FP4 packing would be 128 / 2 + 128 / 32 = 68 bytes).
+# 128; an FP4 packing would be 128 / 2 + 128 / 32 = 68 bytes). Our pools pad a key row to 144 bytes
+# (kv_format.KEY_ROW_ALIGNMENT: its codes load in 16-byte words), 63 B more per V4-Flash token.
 # Reference compressor state, per request and layer, as raw float32 rows: a ratio-r
 # compressor keeps the tokens of its partial block, each row holding the projected KV and
 # its gate score (2 series); the overlapping ratio-4 compressor keeps two blocks' worth of
@@ -76,7 +77,9 @@ class ReferenceLayout:
     @property
     def formats(self) -> PoolFormats:
         config = self.config
-        return pool_formats(FP8, config.head_dim, config.rope_head_dim, config.index_head_dim)
+        return pool_formats(
+            FP8, config.head_dim, config.rope_head_dim, config.index_head_dim, REFERENCE_KEY_ROW_ALIGNMENT
+        )
 
     @property
     def entry_bytes(self) -> int:
@@ -176,7 +179,9 @@ class KVLedger:
             f"reference: KV entries FP8-packed ({reference.entry_bytes} B), indexer keys FP8"
             f" ({reference.indexer_key_bytes} B), compressor state as raw float32 rows"
         )
-        stored = "FP8-packed as the reference's" if ours.formats.quantized else f"in {dtype_name}"
+        stored = f"in {dtype_name}"
+        if ours.formats.quantized:
+            stored = f"FP8-packed as the reference's (indexer keys padded to {ours.formats.indexer_keys.row_bytes} B)"
         ours_note = (
             f"ours: KV entries, window rows and indexer keys {stored}, window slots per token (a running request"
             " holds window + 1), compressor state as float32 online pools; the server also allocates"

@@ -49,7 +49,7 @@ import hashlib
 import heapq
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -646,45 +646,21 @@ class V4RadixCache(RadixCache):
     _depth = _end
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
-        """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), reading ``key`` at an
-        offset: SGLang's slices the key's rest at every node, which copies O(history) tokens a node."""
-        access_time = time.monotonic()
-        node.last_access_time = access_time
-        values, offset = [], 0
-        while offset < len(key):
-            child = node.children.get(key.child_key_at(offset))
-            if child is None:
-                break
-            child.last_access_time = access_time
-            matched = child.key.match_at(key, offset)
-            if matched < len(child.key):
-                node = self._split_node(child.key, child, matched)
-                values.append(node.value)
-                break
-            values.append(child.value)
-            node, offset = child, offset + matched
+        """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), by :meth:`_walk`."""
+        values = []
+        for node, _ in self._walk(node, key):
+            values.append(node.value)
         return values, node
 
     def _insert_helper(
         self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0, inserted_len: int = 0
     ) -> tuple[int, TreeNode]:
-        """SGLang's insert below ``node`` (access times, priorities and hit counts as its own), reading ``key`` at
-        an offset instead of slicing it at every node: the tokens of ``key`` already below ``node`` and the node
-        that ends ``key``."""
-        access_time = time.monotonic()
-        node.last_access_time = access_time
+        """SGLang's insert below ``node`` (access times, priorities and hit counts as its own), by :meth:`_walk`:
+        the tokens of ``key`` already below ``node`` and the node that ends ``key``."""
         node.priority = max(node.priority, priority)
         offset = 0
-        while offset < len(key):
-            child = node.children.get(key.child_key_at(offset))
-            if child is None:
-                break
-            child.last_access_time = access_time
-            matched = child.key.match_at(key, offset)
-            if matched < len(child.key):
-                child = self._split_node(child.key, child, matched)
-            child.priority = max(child.priority, priority)
-            node, offset = child, offset + matched
+        for node, offset in self._walk(node, key):
+            node.priority = max(node.priority, priority)
             if offset > inserted_len:  # nodes this request inserted before were counted then
                 self._inc_hit_count(node)
         if offset < len(key):
@@ -699,6 +675,24 @@ class V4RadixCache(RadixCache):
             self.kv_events.record_store(new_node)
             node = new_node
         return offset, node
+
+    def _walk(self, node: TreeNode, key: RadixKey) -> Iterator[tuple[TreeNode, int]]:
+        """The nodes below ``node`` that ``key`` runs through, each with the tokens of ``key`` it ends at; one
+        ``key`` ends inside is split there first. Access times set as SGLang's walks set them. ``key`` is read at
+        an offset (SGLang's ``match_at``): SGLang's walks slice the key's rest at every node."""
+        access_time = time.monotonic()
+        node.last_access_time = access_time
+        offset = 0
+        while offset < len(key):
+            child = node.children.get(key.child_key_at(offset))
+            if child is None:
+                return
+            child.last_access_time = access_time
+            matched = child.key.match_at(key, offset)
+            if matched < len(child.key):
+                child = self._split_node(child.key, child, matched)
+            node, offset = child, offset + matched
+            yield node, offset
 
     def _refresh_path(self, node: TreeNode, start: TreeNode, priority: int, prompt_end: int, hits_past: int) -> None:
         """What SGLang's inserts from the root (the request's tokens, then its prompt) do to the nodes from ``node``
@@ -896,3 +890,4 @@ def _anchored(node: TreeNode) -> bool:
     """Whether a request holds its lock on this very node (not only through a descendant):
     one admitted to resume here and not yet bound, or one that checkpointed here."""
     return node.lock_ref > sum(child.lock_ref for child in node.children.values())
+

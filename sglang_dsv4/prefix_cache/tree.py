@@ -48,10 +48,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
@@ -679,7 +681,7 @@ class V4RadixCache(RadixCache):
     def _walk(self, node: TreeNode, key: RadixKey) -> Iterator[tuple[TreeNode, int]]:
         """The nodes below ``node`` that ``key`` runs through, each with the tokens of ``key`` it ends at; one
         ``key`` ends inside is split there first. Access times set as SGLang's walks set them. ``key`` is read at
-        an offset (SGLang's ``match_at``): SGLang's walks slice the key's rest at every node."""
+        an offset and compared by :func:`_tokens_matched`: SGLang's walks slice the key's rest at every node."""
         access_time = time.monotonic()
         node.last_access_time = access_time
         offset = 0
@@ -688,7 +690,7 @@ class V4RadixCache(RadixCache):
             if child is None:
                 return
             child.last_access_time = access_time
-            matched = child.key.match_at(key, offset)
+            matched = _tokens_matched(child.key, key, offset)
             if matched < len(child.key):
                 child = self._split_node(child.key, child, matched)
             node, offset = child, offset + matched
@@ -891,3 +893,20 @@ def _anchored(node: TreeNode) -> bool:
     one admitted to resume here and not yet bound, or one that checkpointed here."""
     return node.lock_ref > sum(child.lock_ref for child in node.children.values())
 
+
+def _tokens_matched(node_key: RadixKey, key: RadixKey, offset: int) -> int:
+    """How many of ``node_key``'s tokens ``key`` has from ``offset`` on: SGLang's ``RadixKey.match_at`` as one
+    vectorized compare of the two token buffers, at memory speed (``match_at`` compares slice copies). Keys of
+    ``array('q')``, which SGLang's scheduler builds; any other (a bigram view, a list) goes to ``match_at``."""
+    ours, theirs = node_key.token_ids, key.token_ids
+    if node_key.is_bigram or key.is_bigram or not (_int64_tokens(ours) and _int64_tokens(theirs)):
+        return node_key.match_at(key, offset)
+    count = min(len(node_key), len(key) - offset)
+    if count <= 0:
+        return 0
+    differ = np.frombuffer(ours, np.int64, count) != np.frombuffer(theirs, np.int64, count, offset * 8)
+    return int(differ.argmax()) if differ.any() else count
+
+
+def _int64_tokens(tokens: object) -> bool:
+    return isinstance(tokens, array) and tokens.typecode == "q"

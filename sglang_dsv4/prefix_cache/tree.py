@@ -830,18 +830,23 @@ class Standings:
     def __init__(self, tree: V4RadixCache):
         self.tree = tree
         self.slot_bytes, self.record_bytes = tree.manager.window_slot_bytes, tree.manager.record_bytes
-        visited, self.shallower, stack = [], {}, [(tree.root_node, 0)]
+        checkpoints, root = tree.checkpoints, tree.root_node
+        visited, self.shallower, stack = [], {}, [(root, 0)]
         while stack:
             node, above = stack.pop()
             visited.append(node)
             self.shallower[node] = above
-            here = tree.checkpoints.get(node)
-            for child in node.children.values():
-                stack.append((child, above if here is None else here.position))
-        self.below: dict[TreeNode, bool] = {}
-        for node in reversed(visited):  # every node after all of its descendants
-            self.below[node] = self._anything_below(node)
-        self.of = {node: self._standing(node) for node in tree.checkpoints}
+            if node.children:
+                here = checkpoints.get(node)
+                below_here = above if here is None else here.position
+                stack.extend((child, below_here) for child in node.children.values())
+        # Each node, after all of its descendants, tells its parent whether it holds anything (one look a node).
+        self.below: dict[TreeNode, bool] = dict.fromkeys(visited, False)
+        below = self.below
+        for node in reversed(visited[1:]):
+            if node.lock_ref > 0 or below[node] or tree._checkpoint_at(node) is not None:
+                below[node.parent] = True
+        self.of = {node: self._standing(node) for node in checkpoints}
 
     def released(self, node: TreeNode) -> None:
         """The checkpoint at ``node`` was released: bring the standings it changed up to date."""

@@ -16,7 +16,8 @@ Then ``--turns`` turns of ``--new-tokens`` new prompt tokens and one output toke
 wall time: ``time.thread_time`` costs milliseconds a call in this host's sandbox).
 
 ``--before REV``: the same measurement over the package as it was at git revision ``REV`` (extracted to a temporary
-folder and run in a subprocess), printed beside, with the ratios. Writes ``benchmarks/results/host_work.json``.
+folder and run in a subprocess), printed beside, with the ratios; each history and session count is measured over
+both versions in turn. Writes ``benchmarks/results/host_work.json``.
 """
 
 from __future__ import annotations
@@ -190,15 +191,21 @@ def main() -> None:
         measured = [measure(h, args.seed_turns, args.turns, args.new_tokens, c) for c in counts for h in histories]
         print(json.dumps(measured))
         return
-    passed = ["--histories", args.histories, "--seed-turns", str(args.seed_turns), "--turns", str(args.turns),
-              "--new-tokens", str(args.new_tokens), "--sessions", args.sessions]  # fmt: skip
-    versions = {"now": run_over(ROOT, passed)}
-    if args.before:
-        with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {"now": ROOT}
+        if args.before:
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "sglang_dsv4"],
                                      check=True, capture_output=True).stdout  # fmt: skip
             subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
-            versions = {"before": run_over(Path(scratch), passed), **versions}
+            packages = {"before": Path(scratch), **packages}
+        # Each measurement over every version in turn, so that a host whose load drifts loads them alike.
+        versions: dict[str, list[dict[str, float]]] = {name: [] for name in packages}
+        for count in args.sessions.split(","):
+            for history in histories:
+                passed = ["--histories", str(history), "--seed-turns", str(args.seed_turns), "--turns",
+                          str(args.turns), "--new-tokens", str(args.new_tokens), "--sessions", count]  # fmt: skip
+                for name, package in packages.items():
+                    versions[name] += run_over(package, passed)
     print(f"our calls per resumed turn (+{args.new_tokens} tokens, 1 output), median wall ms")
     header = f"{'sessions':>8} {'history':>9} {'nodes':>6} " + " ".join(f"{p:>18}" for p in (*PHASES, "ours"))
     for name, rows in versions.items():

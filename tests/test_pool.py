@@ -10,6 +10,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import random_ids
 
 from sglang_dsv4.kv_cache import V4KVPool
@@ -142,6 +144,35 @@ def test_checkpoints_and_requests_return_every_row_they_shared(tiny_model):
     assert pool.storage.usage() != before  # row 2 still holds the shared entries
     pool.storage.tables.free(2)
     assert pool.storage.usage() == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 12), max_size=8)), max_size=30))
+def test_shared_rows_count_what_is_shared_and_released_and_free_exactly_the_unheld(calls):
+    """Sharing and releasing batches of rows (padding 0s, repeats) against plain counts: the counts, the free
+    rows and the order they come back in (released rows in increasing order, as one by one from the lowest)."""
+    rows, counts, free = SharedRows(12, "rows"), [0] * 13, list(range(12, 0, -1))
+    held = rows.alloc(12).tolist()
+    free.clear()
+    for row in held:
+        counts[row] = 1
+    for sharing, batch in calls:
+        named = [row for row in batch if row > 0]
+        if sharing and all(counts[row] > 0 for row in named):
+            rows.share(torch.tensor(batch, dtype=torch.int64))
+            for row in named:
+                counts[row] += 1
+        elif not sharing and all(counts[row] >= named.count(row) for row in named):
+            rows.release(torch.tensor(batch, dtype=torch.int64))
+            for row in named:
+                counts[row] -= 1
+            free.extend(sorted({row for row in named if counts[row] == 0}))
+        else:
+            with pytest.raises(AssertionError):
+                (rows.share if sharing else rows.release)(torch.tensor(batch, dtype=torch.int64))
+            return
+        assert rows.refs.tolist() == counts
+        assert rows.free_stack[: rows.free].tolist() == free
 
 
 def make_scarce(pool: V4KVPool, kind: str, capacity: int) -> None:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import random
 from array import array
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -25,9 +28,10 @@ from test_pool import make_scarce
 from sglang_dsv4.kv_cache import V4KVPool
 from sglang_dsv4.memory_pool.host_pools import device_kinds
 from sglang_dsv4.memory_pool.storage import V4PoolStorage
+from sglang_dsv4.prefix_cache import tree as tree_module
 from sglang_dsv4.prefix_cache.host_tier import WRITE_POLICIES, HostTier
 from sglang_dsv4.prefix_cache.prefix_hits import ALIGNED_PAGE
-from sglang_dsv4.prefix_cache.tree import Standings, V4RadixCache, _anchored
+from sglang_dsv4.prefix_cache.tree import Standings, V4RadixCache, _anchored, _tokens_matched
 from sglang_dsv4.routing.rank_reports import Dropped, Flushed, Made, Released
 from sglang_dsv4.routing.router import CacheAwareRouter
 
@@ -818,3 +822,21 @@ def test_standings_brought_up_to_date_after_each_release_equal_a_fresh_walk(tiny
         released += 1
         assert standings.of == Standings(tree).of, f"after {released} releases"
     assert released >= 20
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    st.integers(0, 60),
+    st.one_of(st.none(), st.integers(0, 60)),
+    st.booleans(),
+)
+def test_the_vectorized_token_compare_matches_sglangs_match_at(node_tokens, tokens, offset, limit, as_list):
+    """The tree's walks compare keys with ``_tokens_matched``: SGLang's ``match_at`` on every key it reads (arrays
+    with and without a limit, compared by numpy from any length here; lists, which go to ``match_at`` itself)."""
+    kind = list if as_list else (lambda t: array("q", t))
+    node_key, key = RadixKey(kind(node_tokens)), RadixKey(kind(tokens), limit=limit)
+    offset = min(offset, len(key))
+    with patch.object(tree_module, "VECTORIZED_FROM", 0):
+        assert _tokens_matched(node_key, key, offset) == node_key.match_at(key, offset)

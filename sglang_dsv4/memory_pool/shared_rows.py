@@ -82,18 +82,23 @@ class SharedRows:
         return rows
 
     def share(self, rows: torch.Tensor) -> None:
-        rows = rows[rows > 0]
-        if (self.refs[rows] <= 0).any():
+        """One more reference on each of ``rows`` (0s are padding and skipped; a row may repeat)."""
+        rows = _without_padding(rows)
+        if len(rows) and int(torch.index_select(self.refs, 0, rows).min()) <= 0:
             raise AssertionError(f"{self.name}: sharing a free row")
         self.refs.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
 
     def release(self, rows: torch.Tensor) -> None:
-        rows = rows[rows > 0]
+        """One reference fewer on each of ``rows`` (0s skipped; a row may repeat); those left with none are free.
+        Only the rows whose count reached 0 are deduplicated, not all of ``rows`` (a resumed prefix's entries)."""
+        rows = _without_padding(rows)
+        if not len(rows):
+            return
         self.refs.index_add_(0, rows, torch.full_like(rows, -1, dtype=torch.int32))
-        if (self.refs[rows] < 0).any():
+        counts = torch.index_select(self.refs, 0, rows)
+        if int(counts.min()) < 0:
             raise AssertionError(f"{self.name}: row released more often than it was shared")
-        rows = torch.unique(rows)
-        freed = rows[self.refs[rows] == 0]
+        freed = torch.unique(rows[counts == 0])
         self.free_stack[self.free : self.free + len(freed)] = freed
         self.free += len(freed)
 
@@ -116,3 +121,8 @@ class SharedRows:
 
     def usage(self) -> dict[str, int]:
         return {"total": self.capacity, "free": self.free}
+
+
+def _without_padding(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` without row 0 (padding), copied only when it holds one."""
+    return rows if not len(rows) or int(rows.min()) > 0 else rows[rows > 0]

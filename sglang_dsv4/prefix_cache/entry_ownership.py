@@ -53,8 +53,11 @@ class EntryOwnership:
 
     def of_prefix(self, prefix_slots: torch.Tensor, position: int) -> dict[int, torch.Tensor]:
         """Per ratio, the entry rows of the complete blocks of a cached prefix of ``position`` tokens."""
-        entries = {r: of_slot[prefix_slots[r - 1 : position : r].long()] for r, of_slot in self.of_slot.items()}
-        if any((rows == 0).any() for rows in entries.values()):
+        entries = {
+            r: torch.index_select(of_slot, 0, prefix_slots[r - 1 : position : r].long())
+            for r, of_slot in self.of_slot.items()
+        }
+        if any(len(rows) and int(rows.min()) == 0 for rows in entries.values()):
             raise AssertionError("a checkpoint's prefix has a block without an entry row")
         return entries
 

@@ -48,10 +48,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import time
+from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
@@ -646,45 +648,21 @@ class V4RadixCache(RadixCache):
     _depth = _end
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
-        """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), reading ``key`` at an
-        offset: SGLang's slices the key's rest at every node, which copies O(history) tokens a node."""
-        access_time = time.monotonic()
-        node.last_access_time = access_time
-        values, offset = [], 0
-        while offset < len(key):
-            child = node.children.get(key.child_key_at(offset))
-            if child is None:
-                break
-            child.last_access_time = access_time
-            matched = child.key.match_at(key, offset)
-            if matched < len(child.key):
-                node = self._split_node(child.key, child, matched)
-                values.append(node.value)
-                break
-            values.append(child.value)
-            node, offset = child, offset + matched
+        """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), by :meth:`_walk`."""
+        values = []
+        for node, _ in self._walk(node, key):
+            values.append(node.value)
         return values, node
 
     def _insert_helper(
         self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0, inserted_len: int = 0
     ) -> tuple[int, TreeNode]:
-        """SGLang's insert below ``node`` (access times, priorities and hit counts as its own), reading ``key`` at
-        an offset instead of slicing it at every node: the tokens of ``key`` already below ``node`` and the node
-        that ends ``key``."""
-        access_time = time.monotonic()
-        node.last_access_time = access_time
+        """SGLang's insert below ``node`` (access times, priorities and hit counts as its own), by :meth:`_walk`:
+        the tokens of ``key`` already below ``node`` and the node that ends ``key``."""
         node.priority = max(node.priority, priority)
         offset = 0
-        while offset < len(key):
-            child = node.children.get(key.child_key_at(offset))
-            if child is None:
-                break
-            child.last_access_time = access_time
-            matched = child.key.match_at(key, offset)
-            if matched < len(child.key):
-                child = self._split_node(child.key, child, matched)
-            child.priority = max(child.priority, priority)
-            node, offset = child, offset + matched
+        for node, offset in self._walk(node, key):
+            node.priority = max(node.priority, priority)
             if offset > inserted_len:  # nodes this request inserted before were counted then
                 self._inc_hit_count(node)
         if offset < len(key):
@@ -699,6 +677,24 @@ class V4RadixCache(RadixCache):
             self.kv_events.record_store(new_node)
             node = new_node
         return offset, node
+
+    def _walk(self, node: TreeNode, key: RadixKey) -> Iterator[tuple[TreeNode, int]]:
+        """The nodes below ``node`` that ``key`` runs through, each with the tokens of ``key`` it ends at; one
+        ``key`` ends inside is split there first. Access times set as SGLang's walks set them. ``key`` is read at
+        an offset and compared by :func:`_tokens_matched`: SGLang's walks slice the key's rest at every node."""
+        access_time = time.monotonic()
+        node.last_access_time = access_time
+        offset = 0
+        while offset < len(key):
+            child = node.children.get(key.child_key_at(offset))
+            if child is None:
+                return
+            child.last_access_time = access_time
+            matched = _tokens_matched(child.key, key, offset)
+            if matched < len(child.key):
+                child = self._split_node(child.key, child, matched)
+            node, offset = child, offset + matched
+            yield node, offset
 
     def _refresh_path(self, node: TreeNode, start: TreeNode, priority: int, prompt_end: int, hits_past: int) -> None:
         """What SGLang's inserts from the root (the request's tokens, then its prompt) do to the nodes from ``node``
@@ -834,18 +830,23 @@ class Standings:
     def __init__(self, tree: V4RadixCache):
         self.tree = tree
         self.slot_bytes, self.record_bytes = tree.manager.window_slot_bytes, tree.manager.record_bytes
-        visited, self.shallower, stack = [], {}, [(tree.root_node, 0)]
+        checkpoints, root = tree.checkpoints, tree.root_node
+        visited, self.shallower, stack = [], {}, [(root, 0)]
         while stack:
             node, above = stack.pop()
             visited.append(node)
             self.shallower[node] = above
-            here = tree.checkpoints.get(node)
-            for child in node.children.values():
-                stack.append((child, above if here is None else here.position))
-        self.below: dict[TreeNode, bool] = {}
-        for node in reversed(visited):  # every node after all of its descendants
-            self.below[node] = self._anything_below(node)
-        self.of = {node: self._standing(node) for node in tree.checkpoints}
+            if node.children:
+                here = checkpoints.get(node)
+                below_here = above if here is None else here.position
+                stack.extend((child, below_here) for child in node.children.values())
+        # Each node, after all of its descendants, tells its parent whether it holds anything (one look a node).
+        self.below: dict[TreeNode, bool] = dict.fromkeys(visited, False)
+        below = self.below
+        for node in reversed(visited[1:]):
+            if node.lock_ref > 0 or below[node] or tree._checkpoint_at(node) is not None:
+                below[node.parent] = True
+        self.of = {node: self._standing(node) for node in checkpoints}
 
     def released(self, node: TreeNode) -> None:
         """The checkpoint at ``node`` was released: bring the standings it changed up to date."""
@@ -896,3 +897,26 @@ def _anchored(node: TreeNode) -> bool:
     """Whether a request holds its lock on this very node (not only through a descendant):
     one admitted to resume here and not yet bound, or one that checkpointed here."""
     return node.lock_ref > sum(child.lock_ref for child in node.children.values())
+
+
+VECTORIZED_FROM = 1024
+"""Tokens from which one numpy compare is cheaper than ``match_at``'s slice copies (measured on this host)."""
+
+
+def _tokens_matched(node_key: RadixKey, key: RadixKey, offset: int) -> int:
+    """How many of ``node_key``'s tokens ``key`` has from ``offset`` on: SGLang's ``RadixKey.match_at`` as one
+    vectorized compare of the two token buffers, at memory speed (``match_at`` compares slice copies). Keys of
+    ``array('q')``, which SGLang's scheduler builds, and at least ``VECTORIZED_FROM`` tokens to compare; any other
+    (a bigram view, a list, a short node, where numpy's fixed cost is more than the copies) goes to ``match_at``."""
+    ours, theirs = node_key.token_ids, key.token_ids
+    count = min(len(node_key), len(key) - offset)
+    if count < VECTORIZED_FROM or node_key.is_bigram or key.is_bigram:
+        return node_key.match_at(key, offset)
+    if not (_int64_tokens(ours) and _int64_tokens(theirs)):
+        return node_key.match_at(key, offset)
+    differ = np.frombuffer(ours, np.int64, count) != np.frombuffer(theirs, np.int64, count, offset * 8)
+    return int(differ.argmax()) if differ.any() else count
+
+
+def _int64_tokens(tokens: object) -> bool:
+    return isinstance(tokens, array) and tokens.typecode == "q"

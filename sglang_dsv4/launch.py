@@ -137,7 +137,12 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path, tim
 
 @contextmanager
 def running_emulated_server(
-    config: str, *extra_args: str, log_path: Path, gpus: int = 8, context_length: int = 131072
+    config: str,
+    *extra_args: str,
+    log_path: Path,
+    gpus: int = 8,
+    context_length: int = 131072,
+    env: dict | None = None,
 ) -> Iterator[str]:
     """``dsv4 emulate``'s server (:mod:`sglang_dsv4.emulation`) on a free loopback port; its pools as the ledger
     sizes them for one H200 of ``gpus``."""
@@ -151,7 +156,7 @@ def running_emulated_server(
         "--mem-fraction-static", str(DEFAULT_MEM_FRACTION_STATIC),
         *extra_args,
         log_path=log_path,
-        env=emulation_env(gpus),
+        env={**(env or {}), **emulation_env(gpus)},
         max_total_tokens=None,
     ) as url:  # fmt: skip
         yield url

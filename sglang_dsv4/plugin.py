@@ -81,7 +81,7 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
-    require(REQUIRED_HOOKS)
+    require(REQUIRED_HOOKS + ((RESULT_COPY,) if emulating() else ()))
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
@@ -111,7 +111,6 @@ def _register_emulation() -> None:
     from .emulation.device import wait_at_result_copy
     from .emulation.model import EmulatedDeepseekV4ForCausalLM
 
-    require((RESULT_COPY,))
     ModelRegistry.models[ARCHITECTURE] = EmulatedDeepseekV4ForCausalLM
     HookRegistry.register(RESULT_COPY, wait_at_result_copy, HookType.AROUND)
 

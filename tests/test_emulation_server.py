@@ -4,21 +4,47 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
 import torch
 
-from sglang_dsv4.config import named_config
+from sglang_dsv4.config import ConfigError, named_config, parse_config
+from sglang_dsv4.emulation import check_emulation
 from sglang_dsv4.emulation.model import FIXED_TOKEN
-from sglang_dsv4.emulation.pools import EmulatedPoolConfigurator
+from sglang_dsv4.emulation.pools import EmulatedPoolConfigurator, WidthlessPoolStorage
 from sglang_dsv4.emulation.timing import ForwardShape, TimingModel
 from sglang_dsv4.launch import running_emulated_server
 from sglang_dsv4.memory_pool.layout import PoolLayout
 from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS
+from sglang_dsv4.memory_pool.storage import V4PoolStorage
+from sglang_dsv4.tiny import TINY_CONFIG
 
 CONTEXT = 32768
 GPUS = 8
+
+
+def test_widthless_storage_counts_the_rows_the_real_one_does_in_no_bytes():
+    config = parse_config(TINY_CONFIG)
+    shape = dict(num_tokens=2048, max_requests=8, max_context=1024, device="cpu")
+    real = V4PoolStorage(config, torch.bfloat16, **shape)
+    widthless = WidthlessPoolStorage(config, torch.bfloat16, **shape)
+    assert widthless.usage() == real.usage()
+    assert widthless.allocated_bytes == widthless.tables.device_bytes < real.allocated_bytes
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("disable_overlap_schedule", True), ("speculative_algorithm", "EAGLE"), ("enable_hierarchical_cache", True)],
+)
+def test_emulation_refuses_what_it_does_not_model(monkeypatch, flag, value):
+    monkeypatch.setenv("SGLANG_DSV4_PLUGIN_EMULATE", "h200")
+    view = SimpleNamespace(disable_overlap_schedule=False, speculative_algorithm=None, enable_hierarchical_cache=False)
+    check_emulation(view)
+    setattr(view, flag, value)
+    with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
+        check_emulation(view)
 
 
 @pytest.fixture(scope="module")

@@ -115,8 +115,9 @@ def main() -> None:
         ) as url:
             summary = run(url, trajectories, args)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.slo}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (OUT / f"{args.slo}.md").write_text(summary["table"])
+    name = f"{args.slo}_{args.measure_s:g}s"
+    (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (OUT / f"{name}.md").write_text(summary["table"])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dsv4.config import named_config
+from sglang_dsv4.cli import main as dsv4
+from sglang_dsv4.config import load_config, named_config
+from sglang_dsv4.emulation.command import emulated_model_dir
 from sglang_dsv4.emulation.timing import (
     Deployment,
     ForwardShape,
@@ -69,3 +71,15 @@ def test_routed_experts_read_bound_in_decode_and_compute_bound_in_prefill():
 def test_one_gpu_has_no_all_to_all():
     timing = TimingModel(named_config("flash"), "flash", Deployment(gpus=1))
     assert timing.forward(ForwardShape((1,) * 4, (4096,) * 4)).parts["all_to_all"] == 0.0
+
+
+def test_the_emulated_model_folder_is_the_config_and_a_tokenizer(tmp_path):
+    folder = emulated_model_dir("pro", tmp_path / "pro")
+    assert load_config(folder) == named_config("pro")
+    assert (folder / "tokenizer.json").is_file() and not list(folder.glob("*.safetensors"))
+
+
+def test_dsv4_emulate_refuses_an_untimed_config():
+    with pytest.raises(SystemExit) as stopped:
+        dsv4(["emulate", "--config", "tiny", "--context-length", "4096"])
+    assert stopped.value.code == 2

@@ -32,6 +32,8 @@ TIMED_MODELS = ("flash", "pro")
 
 
 class EmulatedDeepseekV4ForCausalLM(nn.Module):
+    """Registered under ``DeepseekV4ForCausalLM`` under emulation: the served config, its timing model, no weights."""
+
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config = config

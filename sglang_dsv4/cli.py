@@ -10,6 +10,7 @@ import torch
 
 from .agentperf import command as agentperf
 from .config import ConfigError
+from .emulation import command as emulate
 from .memory_pool import ledger
 from .moe import plan_command as plan_experts
 from .moe.placement import ExpertPlanError
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     plan_experts.add_arguments(commands.add_parser("plan-experts", help=plan_experts.__doc__.splitlines()[0]))
     ledger.add_arguments(commands.add_parser("ledger", help="KV bytes per token and per request, reference vs ours"))
     agentperf.add_arguments(commands.add_parser("agentperf", help="concurrent agents per GPU under TTFT/speed SLOs"))
+    emulate.add_arguments(
+        commands.add_parser("emulate", help="SGLang's server for a V4 config over an emulated H200 (no weights)")
+    )
 
     args = parser.parse_args(argv)
     if args.command == "tiny":
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             plan_experts.run(args)
         except (ExpertPlanError, ConfigError) as error:
             parser.exit(2, f"dsv4 plan-experts: {error}\n")
+    elif args.command == "emulate":
+        raise SystemExit(emulate.run(args))
     elif args.command == "ledger":
         ledger.run(args)
     elif args.command == "agentperf":

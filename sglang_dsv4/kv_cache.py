@@ -49,13 +49,15 @@ class V4KVPool(KVCache):
         device: str,
         verify_tokens: int = 0,
         shared: CacheManager | None = None,
+        storage_class: type[V4PoolStorage] = V4PoolStorage,
     ):
         """``verify_tokens``: see :class:`~sglang_dsv4.memory_pool.storage.V4PoolStorage`. ``shared``: the
         target's cache manager, whose rows this pool is a second view of (the EAGLE draft model's: its MTP
-        layer's state is in the target's pool)."""
+        layer's state is in the target's pool). ``storage_class``: the rows' storage (the emulator's has rows of no
+        width)."""
         super().__init__(size, page_size, kv_dtype, config.num_layers, device, enable_memory_saver=False)
         if shared is None:
-            storage = V4PoolStorage(
+            storage = storage_class(
                 config,
                 kv_dtype,
                 num_tokens=size,

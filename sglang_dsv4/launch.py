@@ -66,6 +66,7 @@ def running_server(
     log_path: Path,
     env: dict | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    max_total_tokens: int | None = 4096,
 ) -> Iterator[str]:
     """A CPU server on a free loopback port, healthy within ``startup_timeout_s``; yields its base URL and stops it
     on exit.
@@ -75,7 +76,7 @@ def running_server(
     process it started (schedulers, DP controller, detokenizer), whatever state it is in.
     """
     port = free_server_port()
-    command = server_command(model_path, port, *extra_args)
+    command = server_command(model_path, port, *extra_args, max_total_tokens=max_total_tokens)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent, env={**os.environ, **(env or {})},
@@ -107,15 +108,17 @@ def _signal_group(group: int, signal_number: int) -> None:
         pass  # every process of the group has exited
 
 
-def server_command(model_path: Path, port: int, *extra_args: str) -> list[str]:
-    """``python -m sglang.launch_server`` for this CPU host, bounded pool and no idle busy-poll."""
+def server_command(model_path: Path, port: int, *extra_args: str, max_total_tokens: int | None = 4096) -> list[str]:
+    """``python -m sglang.launch_server`` for this CPU host, bounded pool (``max_total_tokens``; None: sized by
+    the pool configurator) and no idle busy-poll."""
+    bound = [] if max_total_tokens is None else ["--max-total-tokens", str(max_total_tokens)]
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--device", "cpu",
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--max-total-tokens", "4096",
+        *bound,
         "--sleep-on-idle",
         *extra_args,
     ]  # fmt: skip
@@ -166,3 +169,30 @@ def _lists_a_model(url: str) -> bool:
     with contextlib.suppress(requests.RequestException, ValueError, KeyError):
         return bool(requests.get(f"{url}/v1/models", timeout=5).json()["data"])
     return False
+
+
+@contextmanager
+def running_emulated_server(
+    config: str,
+    *extra_args: str,
+    log_path: Path,
+    gpus: int = 8,
+    context_length: int = 131072,
+    env: dict | None = None,
+) -> Iterator[str]:
+    """``dsv4 emulate``'s server (:mod:`sglang_dsv4.emulation`) on a free loopback port; its pools as the ledger
+    sizes them for one H200 of ``gpus``."""
+    from .emulation.command import DEFAULT_MEM_FRACTION_STATIC, emulated_model_dir, emulation_env
+
+    model_dir = emulated_model_dir(config, log_path.parent / f"emulated-{config}")
+    with running_server(
+        model_dir,
+        "--load-format", "dummy",
+        "--context-length", str(context_length),
+        "--mem-fraction-static", str(DEFAULT_MEM_FRACTION_STATIC),
+        *extra_args,
+        log_path=log_path,
+        env={**(env or {}), **emulation_env(gpus)},
+        max_total_tokens=None,
+    ) as url:  # fmt: skip
+        yield url

@@ -31,6 +31,7 @@ from .disaggregation import (
     request_rows,
     transfer_report,
 )
+from .emulation import RESULT_COPY, check_emulation, emulating
 from .platform import bind_rank_threads, host_sharing
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .required_hooks import require, require_hooks_applied
@@ -89,7 +90,7 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
-    require(REQUIRED_HOOKS)
+    require(REQUIRED_HOOKS + ((RESULT_COPY,) if emulating() else ()))
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
@@ -108,6 +109,20 @@ def register() -> None:
     register_speculation_hooks()
     register_disaggregation_hooks()
     _register_prefix_cache()
+    if emulating():
+        _register_emulation()
+
+
+def _register_emulation() -> None:
+    """``SGLANG_DSV4_PLUGIN_EMULATE``: the emulated model in place of ours, the host waiting for the emulated
+    device at the result copy (:mod:`sglang_dsv4.emulation`)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .emulation.device import wait_at_result_copy
+    from .emulation.model import EmulatedDeepseekV4ForCausalLM
+
+    ModelRegistry.models[ARCHITECTURE] = EmulatedDeepseekV4ForCausalLM
+    HookRegistry.register(RESULT_COPY, wait_at_result_copy, HookType.AROUND)
 
 
 def _register_model() -> None:
@@ -140,9 +155,14 @@ def _register_attention_backend() -> None:
 
 
 def _attention_backends() -> dict[str, type]:
-    """Ours, the default first: the batched backend, and the per-request torch reference (the oracle)."""
+    """Ours, the default first: the batched backend, and the per-request torch reference (the oracle); under
+    emulation only the emulated one."""
     from .attention_backend import batched_backend, torch_reference
 
+    if emulating():
+        from .emulation import backend
+
+        return {backend.NAME: backend.EmulatedBackend}
     return {
         batched_backend.NAME: batched_backend.BatchedBackend,
         torch_reference.NAME: torch_reference.TorchReferenceBackend,
@@ -178,6 +198,8 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     check_speculation(view, hf_config)
     check_cache_tiers(view)
     check_disaggregation(view)
+    if emulating():
+        check_emulation(view)
     backends = list(_attention_backends())
     requested = server_args.attention_backend  # the command line's (providers read the raw arguments)
     backend = requested if requested in backends else backends[0]
@@ -258,6 +280,11 @@ def _size_v4_pools(original, configurator):
     config = served_config(configurator.model_config.hf_config)
     layout = PoolLayout(config, configurator.kv_cache_dtype, verify_tokens())
     context = configurator.model_config.context_len
+    if emulating():
+        from .emulation.pools import EmulatedPoolConfigurator
+
+        rows, fraction = get_schedule().max_running_requests, get_schedule().mem_fraction_static
+        return EmulatedPoolConfigurator(layout, rows, context, settings().emulate_gpus, fraction)
     return V4PoolConfigurator(layout, get_schedule().max_running_requests, context, host_sharing())
 
 
@@ -295,6 +322,7 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         max_context=req_to_token_pool.max_context_len,
         device=configurator.device,
         verify_tokens=verify_tokens(),
+        storage_class=_pool_storage(),
     )
     # SGLang has each request's V4 rows reserved before a forward and returned when it frees the
     # request, through the request pool's auxiliary cache: the cache manager.
@@ -309,6 +337,16 @@ def _build_v4_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_mo
         ),
     )
     return pool
+
+
+def _pool_storage() -> type:
+    from .memory_pool.storage import V4PoolStorage
+
+    if emulating():
+        from .emulation.pools import WidthlessPoolStorage
+
+        return WidthlessPoolStorage
+    return V4PoolStorage
 
 
 def _report_pool_usage(result, controller, recv_req) -> None:
@@ -347,6 +385,10 @@ def _report_pool_usage(result, controller, recv_req) -> None:
     if host is not None:
         host_rows = {**host.pools.usage(), "allocated_bytes": host.pools.allocated_bytes}
         result.internal_state["dsv4_pools"]["host_tier"] = host_rows
+    if emulating():
+        from .emulation import emulation_report
+
+        result.internal_state["dsv4_emulation"] = emulation_report(scheduler)
     resident = _over_request_group(_resident_bytes(scheduler.tp_worker.model_runner.model))
     result.internal_state["dsv4_weights"] = {"resident_bytes_per_rank": resident}
     if hasattr(scheduler.tree_cache, "modes"):

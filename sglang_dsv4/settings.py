@@ -17,6 +17,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 # The prefix cache's modes a setting may name (prefix_cache/prefix_hits.py, prefix_cache/window_policy.py).
 PREFIX_HITS = ("exact", "aligned")
 WINDOW_POLICIES = ("per_request", "all_committed")
+EMULATED_DEVICES = ("", "h200")
 
 
 class SettingsError(ValueError):
@@ -39,6 +40,12 @@ class Settings:
     # SGLANG_DSV4_PLUGIN_CHECKPOINT_INTERVAL: in "exact" mode, also checkpoint every this many
     # tokens along a sequence (0: only at chunk, prompt and request ends).
     checkpoint_interval: int = 1024
+    # SGLANG_DSV4_PLUGIN_EMULATE: "h200" serves the config with no weights and no arithmetic, each forward
+    # taking the time an H200 would (sglang_dsv4/emulation; `dsv4 emulate`); "" (the default) computes.
+    emulate: str = ""
+    # SGLANG_DSV4_PLUGIN_EMULATE_GPUS: under emulation, the H200s of the deployment each rank is one of (one
+    # attention-DP rank a GPU, the routed experts split over all of them): its memory and all-to-all.
+    emulate_gpus: int = 8
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -57,6 +64,7 @@ class Settings:
             "cpu_platform": ("auto", "off"),
             "prefix_hits": PREFIX_HITS,
             "window_policy": WINDOW_POLICIES,
+            "emulate": EMULATED_DEVICES,
         }
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
@@ -64,6 +72,8 @@ class Settings:
                 raise SettingsError(f"{PREFIX}{name.upper()} is {getattr(self, name)!r}; allowed: {shown}")
         if self.checkpoint_interval < 0:
             raise SettingsError(f"{PREFIX}CHECKPOINT_INTERVAL is {self.checkpoint_interval}; allowed: 0 or more")
+        if self.emulate_gpus < 1:
+            raise SettingsError(f"{PREFIX}EMULATE_GPUS is {self.emulate_gpus}; allowed: 1 or more")
 
 
 def _parse(name: str, raw: str, default: Any) -> Any:

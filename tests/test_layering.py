@@ -12,7 +12,8 @@ Every top-level module and package of ``sglang_dsv4`` sits in one layer of :data
 7. ``kv_cache``: the pool as SGLang's ``KVCache``;
 8. ``attention_backend/``: the attention backends SGLang calls, handed that pool;
 9. - 11. the SGLang adapters: the radix-cache seam, the CPU platform, DP routing, request serving; then data
-   parallelism, quantization and speculation over them; then ``plugin``, which installs them all;
+   parallelism, quantization, speculation and emulation (an H200 emulated) over them; then ``plugin``, which
+   installs them all;
 12. - 15. the tools: EP planning (``moe/``), AgentPerf, the launcher, the chat template and the public names; then
    ``tiny``; then ``demo``; then ``cli``.
 
@@ -41,7 +42,7 @@ LAYERS = (
     ("kv_cache",),
     ("attention_backend",),
     ("radix_cache", "platform", "routing", "serving"),
-    ("data_parallel", "quantization", "speculation", "disaggregation"),
+    ("data_parallel", "quantization", "speculation", "disaggregation", "emulation"),
     ("plugin",),
     ("moe", "agentperf", "launch", "chat_template", "__init__"),
     ("tiny",),

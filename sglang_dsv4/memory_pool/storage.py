@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import DeepseekV4Config
+from ..kernels.kv_format import RowFormat
 from ..model.compressor import CompressorState
 from ..model.state import LayerState
 from .layout import STATE_DTYPE, PoolLayout, StateBuffer
@@ -63,10 +64,10 @@ class V4PoolStorage:
         # Window rows are stored as compressed entries are: FP8-packed under an FP8 KV dtype.
         self.formats = layout.formats
         slots = self.window_slots.capacity + 1
-        self.window = [self.formats.entries.empty(slots, device) for _ in layout.layers]
+        self.window = [self._rows(self.formats.entries, slots) for _ in layout.layers]
         self.ratio = {(b.layer, b.kind): b.ratio for b in compressed}
         self.compressed = {
-            (b.layer, b.kind): layout.format_of(b).empty(self.entry_rows[b.ratio].capacity + 1, device)
+            (b.layer, b.kind): self._rows(layout.format_of(b), self.entry_rows[b.ratio].capacity + 1)
             for b in compressed
         }
         self.row_formats = {(b.layer, b.kind): layout.format_of(b) for b in compressed}
@@ -80,6 +81,10 @@ class V4PoolStorage:
         self._first_rollback_record = self.records.capacity + 1
         records = self._first_rollback_record + request_rows * layout.rollback_records_per_request_row
         self.checkpoint_state = {(b.layer, b.kind): self._records(records, b) for b in states}
+
+    def _rows(self, row_format: RowFormat, rows: int) -> torch.Tensor:
+        """A zeroed pool of ``rows`` window slots or compressed entries stored in ``row_format``."""
+        return row_format.empty(rows, self.device)
 
     def _records(self, rows: int, buffer: StateBuffer) -> torch.Tensor:
         return torch.zeros(rows, buffer.pools, 3, buffer.dim, dtype=STATE_DTYPE, device=self.device)

@@ -1,0 +1,77 @@
+"""``dsv4 emulate``: ``python -m sglang.launch_server`` over an emulated H200, for a shipped V4 config.
+
+``dsv4 emulate --config flash --gpus 8 --context-length 131072 -- --port 30000 --enable-cache-report`` serves
+V4-Flash as one attention-DP rank of a node of 8 H200s (DP 8, EP 8): the ledger's pools of one GPU, each forward
+the H200's time. The model folder it serves is written once under the cache folder: the config's
+``config.json`` and the shipped tiny checkpoint's tokenizer (a real one has no weights either). Arguments after
+``--`` go to SGLang unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+from ..config import named_config
+from .model import TIMED_MODELS
+
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", choices=TIMED_MODELS, required=True, help="the V4 config served")
+    parser.add_argument(
+        "--gpus", type=int, default=8, help="H200s of the deployment: one attention-DP rank each, experts over all"
+    )
+    parser.add_argument(
+        "--context-length", type=int, required=True, help="longest session served (SGLang's request table width)"
+    )
+    parser.add_argument("--mem-fraction-static", type=float, default=DEFAULT_MEM_FRACTION_STATIC)
+    parser.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang's own arguments")
+
+
+def emulated_model_dir(config: str, folder: Path | None = None) -> Path:
+    """A model folder with the shipped ``config``'s ``config.json`` and the tiny checkpoint's tokenizer."""
+    named_config(config)  # refuses an unknown name
+    folder = folder or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang-dsv4" / config
+    folder.mkdir(parents=True, exist_ok=True)
+    shipped = resources.files("sglang_dsv4")
+    (folder / "config.json").write_text(json.dumps(json.loads(shipped.joinpath(f"configs/{config}.json").read_text())))
+    for name in TOKENIZER_FILES:
+        with resources.as_file(shipped.joinpath(f"checkpoints/tiny/{name}")) as source:
+            shutil.copyfile(source, folder / name)
+    return folder
+
+
+def emulation_env(gpus: int) -> dict[str, str]:
+    return {"SGLANG_DSV4_PLUGIN_EMULATE": "h200", "SGLANG_DSV4_PLUGIN_EMULATE_GPUS": str(gpus)}
+
+
+def emulated_server_args(model_dir: Path, context_length: int, mem_fraction_static: float) -> list[str]:
+    """SGLang's arguments for the emulated model: no weights read, the CPU device, the H200's memory fraction."""
+    return [
+        "--model-path", str(model_dir),
+        "--device", "cpu",
+        "--load-format", "dummy",
+        "--context-length", str(context_length),
+        "--mem-fraction-static", str(mem_fraction_static),
+        "--sleep-on-idle",
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    extra = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
+    model_dir = emulated_model_dir(args.config)
+    command = [
+        sys.executable, "-m", "sglang.launch_server",
+        *emulated_server_args(model_dir, args.context_length, args.mem_fraction_static),
+        *extra,
+    ]  # fmt: skip
+    return subprocess.call(command, env={**os.environ, **emulation_env(args.gpus)})

@@ -4,12 +4,15 @@ Side by side in one run, on the tiny random checkpoint in float32:
 
 - ``one server``: a single server pinned to both cores of this host;
 - ``pair``: a prefill instance pinned to core 0 and a decode instance to core 1, ``mooncake_tcp`` between them, behind
-  ``smg launch --pd-disaggregation`` (the router and the client unpinned).
+  ``smg launch --pd-disaggregation`` (the router and the client unpinned);
+- ``pair + decode radix cache``: the same with ``--disaggregation-decode-enable-radix-cache`` on the decode instance.
 
 Per turn: TTFT and output speed (tokens after the first over the time after the first) as the client sees them, the
-greedy output (the pair's must equal the server's), and on the pair the bytes the prefill instance handed the
-transfer engine and the seconds its sends took (``/server_info``'s ``dsv4_transfer``), against the ledger's state
-of the turn's prompt (``PoolLayout.state_bytes_at``) and against the whole session's state. Turns run one at a time.
+greedy output (each pair's must equal the server's), the tokens prefilled (prompt tokens less cached ones, from the
+prefilling server's ``/metrics``), and on each pair the bytes the prefill instance handed the transfer engine, the
+seconds its sends took and the prompt tokens the decode instance held (``/server_info``'s ``dsv4_transfer``),
+against the ledger's state past that prefix (``PoolLayout.state_bytes_past``) and the whole session's state at the
+turn's prompt (``PoolLayout.state_bytes_at``). Turns run one at a time.
 
     python benchmarks/pd.py [--sessions 4] [--turns 6] [--out benchmarks/results/pd.json] [--sessions-file PATH]
 """
@@ -54,7 +57,9 @@ def pinned(cores: set[int]) -> Iterator[None]:
 
 def pinned_server(stack: contextlib.ExitStack, cores: set[int], model: Path, *args: str, log_path: Path) -> str:
     with pinned(cores):
-        return stack.enter_context(running_server(model, "--dtype", "float32", *args, log_path=log_path))
+        return stack.enter_context(
+            running_server(model, "--dtype", "float32", "--enable-metrics", *args, log_path=log_path)
+        )
 
 
 def turn(url: str, history: list[int], new_tokens: int) -> dict:
@@ -80,24 +85,83 @@ def transfer_report(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_transfer"]
 
 
-def replay(url: str, sessions, tokenizer, prefill: str | None) -> list[dict]:
+def prefilled_tokens(url: str) -> int:
+    """Prompt tokens less cached ones over the server's finished requests (its ``/metrics`` counters)."""
+    totals = {"sglang:prompt_tokens_total": 0.0, "sglang:cached_tokens_total": 0.0}
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return round(totals["sglang:prompt_tokens_total"] - totals["sglang:cached_tokens_total"])
+
+
+def wait_for_count(url: str, before: int) -> int:
+    """The prefilling server counts a request when its tokenizer manager has its output, which can come after the
+    router's reply: the count once it moved (or after 10 s)."""
+    deadline = time.monotonic() + 10
+    while (now := prefilled_tokens(url)) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
+def replay(url: str, sessions, tokenizer, prefilling: str, prefill: str | None) -> list[dict]:
     """Every session's turns in order, one at a time; each turn's history is the last one's, its reply and the
-    turn's new messages."""
+    turn's new messages. ``prefilling``: the server whose prefilled tokens count; ``prefill``: a pair's prefill
+    instance (None for one server)."""
     rows = []
     for session in sessions:
         history: list[int] = []
         for number, recorded in enumerate(session.turns):
             history = history + render(tokenizer, recorded.new_messages)
             before = transfer_report(prefill) if prefill else None
+            prefilled_before = prefilled_tokens(prefilling)
             row = {"session": session.name, "turn": number, "prompt_tokens": len(history),
                    **turn(url, history, recorded.output_tokens)}  # fmt: skip
+            row["prefilled_tokens"] = wait_for_count(prefilling, prefilled_before) - prefilled_before
             if prefill:
                 after = transfer_report(prefill)
                 row["bytes_sent"] = after["bytes_sent"] - before["bytes_sent"]
                 row["send_s"] = after["send_seconds"] - before["send_seconds"]
+                row["decode_prefix_tokens"] = after["decode_prefix_tokens"] - before["decode_prefix_tokens"]
             rows.append(row)
             history = history + row["output"]
     return rows
+
+
+def replay_on_pair(model: Path, work: Path, name: str, sessions, tokenizer, *decode_flags: str) -> list[dict]:
+    """The sessions on a prefill instance (core 0) and a decode instance (core 1) behind smg."""
+    with contextlib.ExitStack() as stack:
+        bootstrap = free_port()
+        prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
+        decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
+        prefill = pinned_server(stack, {0}, model, *TRANSFER, *prefill_args, log_path=work / f"{name}-prefill.log")
+        decode = pinned_server(stack, {1}, model, *TRANSFER, *decode_args, *decode_flags,
+                               log_path=work / f"{name}-decode.log")  # fmt: skip
+        router = stack.enter_context(running_pd_router(prefill, bootstrap, decode, work / f"{name}-smg.log"))
+        return replay(router, sessions, tokenizer, prefill, prefill)
+
+
+def compare(alone: list[dict], paired: list[dict], layout: PoolLayout) -> dict:
+    """Each turn of a pair against one server's, and the pair's totals."""
+    for a, b in zip(alone, paired, strict=True):
+        b["equal_to_one_server"] = a["output"] == b["output"]
+        b["ledger_bytes"] = layout.state_bytes_past(b["decode_prefix_tokens"], b["prompt_tokens"])
+        b["session_state_bytes"] = layout.state_bytes_at(b["prompt_tokens"])
+        b["transfer_share_of_ttft"] = b["send_s"] / b["ttft_s"]
+    later = [r for r in paired if r["turn"] > 0]
+    return {
+        "all_equal": all(r["equal_to_one_server"] for r in paired),
+        "bytes_equal_to_ledger": all(r["bytes_sent"] == r["ledger_bytes"] for r in paired),
+        "bytes_sent": sum(r["bytes_sent"] for r in paired),
+        "session_state_bytes": sum(r["session_state_bytes"] for r in paired),
+        "bytes_over_session_state_later_turns_median": statistics.median(
+            r["bytes_sent"] / r["session_state_bytes"] for r in later
+        ),
+        "decode_prefix_tokens": sum(r["decode_prefix_tokens"] for r in paired),
+        "prefilled_tokens": sum(r["prefilled_tokens"] for r in paired),
+        "prefilled_tokens_one_server": sum(r["prefilled_tokens"] for r in alone),
+        "transfer_share_of_ttft_median": statistics.median(r["transfer_share_of_ttft"] for r in paired),
+    }
 
 
 def summary(name: str, rows: list[dict]) -> dict:
@@ -125,31 +189,23 @@ def main() -> None:
 
     with contextlib.ExitStack() as stack:
         single = pinned_server(stack, {0, 1}, model, log_path=work / "single.log")
-        alone = replay(single, sessions, tokenizer, None)
-    with contextlib.ExitStack() as stack:
-        bootstrap = free_port()
-        prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
-        decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
-        prefill = pinned_server(stack, {0}, model, *TRANSFER, *prefill_args, log_path=work / "prefill.log")
-        decode = pinned_server(stack, {1}, model, *TRANSFER, *decode_args, log_path=work / "decode.log")
-        router = stack.enter_context(running_pd_router(prefill, bootstrap, decode, work / "smg.log"))
-        paired = replay(router, sessions, tokenizer, prefill)
-
-    for a, b in zip(alone, paired, strict=True):
-        b["equal_to_one_server"] = a["output"] == b["output"]
-        b["ledger_bytes"] = layout.state_bytes_at(b["prompt_tokens"])
-        b["transfer_share_of_ttft"] = b["send_s"] / b["ttft_s"]
+        alone = replay(single, sessions, tokenizer, single, None)
+    pairs = {
+        "pair (core 0 + core 1) + smg": replay_on_pair(model, work, "pair", sessions, tokenizer),
+        "pair + decode radix cache": replay_on_pair(
+            model, work, "radix", sessions, tokenizer, "--disaggregation-decode-enable-radix-cache"
+        ),
+    }
+    comparisons = {name: compare(alone, rows, layout) for name, rows in pairs.items()}
     result = {
         "what": "recorded sessions turn by turn, one at a time; tiny random checkpoint, float32, this CPU host",
-        "summary": [summary("one server (cores 0,1)", alone), summary("pair (core 0 + core 1) + smg", paired)],
-        "all_equal": all(r["equal_to_one_server"] for r in paired),
-        "bytes_equal_to_ledger": all(r["bytes_sent"] == r["ledger_bytes"] for r in paired),
-        "transfer_share_of_ttft_median": statistics.median(r["transfer_share_of_ttft"] for r in paired),
+        "summary": [summary("one server (cores 0,1)", alone)] + [summary(name, rows) for name, rows in pairs.items()],
+        "against_one_server": comparisons,
         "one_server": [{k: v for k, v in r.items() if k != "output"} for r in alone],
-        "pair": [{k: v for k, v in r.items() if k != "output"} for r in paired],
+        **{name: [{k: v for k, v in r.items() if k != "output"} for r in rows] for name, rows in pairs.items()},
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("one_server", "pair")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("summary", "against_one_server")}, indent=1))
     print(f"written to {args.out}")
 
 

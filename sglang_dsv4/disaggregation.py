@@ -11,7 +11,13 @@ SGLang's seams only:
 * SGLang asks the pool for a request's indices once per component, with the same arguments each time; the pool
   answers with a :class:`~sglang_dsv4.kv_cache.RequestStateRows` naming the request, and the sender's ``send``
   and the receiver's ``send_metadata`` resolve each into the rows of the group at that component's position
-  (:func:`_resolve_rows`), so the pairing does not depend on the order SGLang asks in;
+  (:func:`_resolve_rows`), so the pairing does not depend on the order SGLang asks in. Both resolve them past the
+  prefix the decode instance holds (SGLang's ``decode_prefix_len``: the receiver is handed it, the sender pops it at
+  bootstrap, :func:`_remember_decode_prefix`), so only what it lacks moves;
+* with ``--disaggregation-decode-enable-radix-cache`` the decode instance keeps its own V4 tree: SGLang matches
+  each prompt against it, the row resumes from the checkpoint there (:meth:`V4RadixCache.maybe_hand_to_session`,
+  as on one server) and the prompt's last token is always left to the prefill instance, which samples the first
+  output token (:func:`sglang_dsv4.radix_cache.tokens_left_to_prefill`);
 * on the decode side SGLang's ``DecodeReqToTokenPool`` has no auxiliary cache: its ``free``, ``clear`` and
   ``alloc_aux_to_lengths`` reach the V4 cache manager (:func:`attach_cache_manager`), and a request row is bound
   at the prompt's end before its rows are published to the prefill side;
@@ -40,6 +46,7 @@ _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 STATE_ARGS = f"{_UTILS}.setup_state_kv_args"
 SENDER_INIT = f"{_MOONCAKE}.MooncakeKVSender.__init__"
 SENDER_SEND = f"{_MOONCAKE}.MooncakeKVSender.send"
+SENDER_DECODE_PREFIX = "sglang.srt.disaggregation.common.conn.CommonKVSender.pop_decode_prefix_len"
 RECEIVER_METADATA = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata"
 STATE_SEND = f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra"
 ENGINE_TRANSFER = f"{_MOONCAKE}.MooncakeKVManager._transfer_data"
@@ -55,6 +62,7 @@ DECODE_POOL_METHODS = {
 MOONCAKE_HOOKS = {
     SENDER_INIT: ("_no_device_indices_on_cpu", "AFTER"),
     SENDER_SEND: ("_send_with_rows", "AROUND"),
+    SENDER_DECODE_PREFIX: ("_remember_decode_prefix", "AFTER"),
     RECEIVER_METADATA: ("_publish_with_rows", "AROUND"),
     STATE_SEND: ("_counting_request_state", "AROUND"),
     ENGINE_TRANSFER: ("_counted_transfer", "AROUND"),
@@ -106,9 +114,9 @@ def check_disaggregation(view: Any) -> None:
             "libibverbs1 and libnuma1)",
         ),
         (
-            view.disaggregation_decode_enable_radix_cache,
-            "--disaggregation-decode-enable-radix-cache: a decode-side prefix cache of V4 checkpoints is not built; "
-            "every turn's state comes from the prefill instance",
+            view.disaggregation_decode_enable_radix_cache and view.enable_hierarchical_cache,
+            "--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache: the decode instance's "
+            "tree is not built to load checkpoints back from a host tier; leave one of the two off",
         ),
         (
             view.disaggregation_enable_kv_checksum,
@@ -150,25 +158,35 @@ def _add_request_state(result, kv_args, token_to_kv_pool, *args, **kwargs) -> No
         )
 
 
-def _resolve_rows(kv_manager: Any, state_indices: list | None) -> list | None:
+def _resolve_rows(kv_manager: Any, state_indices: list | None, decode_prefix: int) -> list | None:
     """``state_indices`` with each :class:`RequestStateRows` replaced by that request's rows in the group at
-    its position."""
+    its position, past the ``decode_prefix`` tokens whose state the decode instance holds."""
     if not state_indices:
         return state_indices
     groups = getattr(kv_manager.kv_args, "dsv4_groups", {})
     resolved = list(state_indices)
     for position, indices in enumerate(state_indices):
         if isinstance(indices, RequestStateRows):
-            resolved[position] = indices.rows(groups[position])
+            resolved[position] = indices.rows(groups[position], decode_prefix)
     return resolved
 
 
+def _remember_decode_prefix(result: int, sender, *args, **kwargs) -> None:
+    """The prefill side pops the prefix the decode instance holds once, at bootstrap: its sends resolve past it."""
+    sender.dsv4_decode_prefix = result
+
+
 def _send_with_rows(original, sender, kv_indices, state_indices=None, *args, **kwargs):
-    return original(sender, kv_indices, _resolve_rows(sender.kv_mgr, state_indices), *args, **kwargs)
+    rows = _resolve_rows(sender.kv_mgr, state_indices, getattr(sender, "dsv4_decode_prefix", 0))
+    return original(sender, kv_indices, rows, *args, **kwargs)
 
 
-def _publish_with_rows(original, receiver, kv_indices, aux_index=None, state_indices=None, *args, **kwargs):
-    return original(receiver, kv_indices, aux_index, _resolve_rows(receiver.kv_mgr, state_indices), *args, **kwargs)
+def _publish_with_rows(
+    original, receiver, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs
+):
+    rows = _resolve_rows(receiver.kv_mgr, state_indices, decode_prefix_len or 0)
+    return original(receiver, kv_indices, aux_index, rows, decode_prefix_len=decode_prefix_len, **kwargs)
+
 
 
 def _no_device_indices_on_cpu(result, sender, *args, **kwargs) -> None:
@@ -186,12 +204,13 @@ def _skip_cached_prefix_send(original, scheduler, req, *args, **kwargs) -> None:
 # --- bytes moved ---------------------------------------------------------------------------------
 
 _counting = threading.local()
-_moved = {"bytes": 0, "requests": 0, "seconds": 0.0}
+_moved = {"bytes": 0, "requests": 0, "seconds": 0.0, "decode_prefix_tokens": 0}
 _moved_lock = threading.Lock()
 
 
 def _counting_request_state(original, manager, req, *args, **kwargs) -> int:
-    """One request's state sent: the bytes of every transfer it submits are counted, and the time it takes."""
+    """One request's state sent: the bytes of every transfer it submits are counted, the time it takes, and the
+    prompt tokens whose state the decode instance held already."""
     _counting.active, start = True, time.perf_counter()
     try:
         result = original(manager, req, *args, **kwargs)
@@ -200,6 +219,7 @@ def _counting_request_state(original, manager, req, *args, **kwargs) -> int:
     with _moved_lock:
         _moved["requests"] += 1
         _moved["seconds"] += time.perf_counter() - start
+        _moved["decode_prefix_tokens"] += req.decode_prefix_len or 0
     return result
 
 
@@ -212,10 +232,16 @@ def _counted_transfer(original, manager, session_id, transfer_blocks) -> int:
 
 
 def transfer_report() -> dict[str, float]:
-    """What this instance sent: requests' states, their bytes as submitted to the transfer engine, and the seconds
-    the sends took (the transfer worker's, beside the scheduler)."""
+    """What this instance sent: requests' states, their bytes as submitted to the transfer engine, the seconds
+    the sends took (the transfer worker's, beside the scheduler), and the prompt tokens whose state the decode
+    instances held already (their ``decode_prefix_len``)."""
     with _moved_lock:
-        return {"states_sent": _moved["requests"], "bytes_sent": _moved["bytes"], "send_seconds": _moved["seconds"]}
+        return {
+            "states_sent": _moved["requests"],
+            "bytes_sent": _moved["bytes"],
+            "send_seconds": _moved["seconds"],
+            "decode_prefix_tokens": _moved["decode_prefix_tokens"],
+        }
 
 
 # --- the decode side's request rows ------------------------------------------------------------

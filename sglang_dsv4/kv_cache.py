@@ -26,15 +26,16 @@ from .prefix_cache.manager import CacheManager
 @dataclass(frozen=True)
 class RequestStateRows:
     """A request's state as SGLang's disaggregation asks for it: request row ``row`` at ``length`` tokens. SGLang
-    asks once per transfer component with the same arguments; the component's position names the group
+    asks once per transfer component with the same arguments; the component's position names the group, and the
+    prefix the decode instance holds is known only when the rows are sent or published
     (:func:`sglang_dsv4.disaggregation._resolve_rows`)."""
 
     transfer: RequestStateTransfer
     row: int
     length: int
 
-    def rows(self, group: str) -> np.ndarray:
-        return self.transfer.rows(group, self.row, self.length)
+    def rows(self, group: str, prefix: int) -> np.ndarray:
+        return self.transfer.rows(group, self.row, self.length, prefix)
 
 
 class V4KVPool(KVCache):

@@ -86,7 +86,15 @@ def build_v4_radix_cache(ctx: Any) -> V4RadixCache:
         window_policy=chosen.window_policy,
         checkpoint_interval=chosen.checkpoint_interval,
         host_tier=build_host_tier(ctx.server_args, pool.storage) if ctx.enable_hierarchical_cache else None,
+        unmatched_prompt_tail=tokens_left_to_prefill(ctx.server_args),
     )
+
+
+def tokens_left_to_prefill(server_args: Any) -> int:
+    """Tokens at a prompt's end that a decode instance's radix cache never matches: one (SGLang's decode side does
+    not cap its match, and the prefill instance must compute the prompt's last token to sample the first output
+    token); none elsewhere (SGLang caps the match itself)."""
+    return int(server_args.disaggregation_mode == "decode" and server_args.disaggregation_decode_enable_radix_cache)
 
 
 def build_host_tier(server_args: Any, storage: V4PoolStorage) -> HostTier:

@@ -1,13 +1,16 @@
 """A prefill and a decode instance behind smg in PD mode serve V4 as one server does (issue 44).
 
 One pair for the module: ``--disaggregation-mode prefill`` with chunked prefill of 128 tokens, ``--disaggregation-mode
-decode``, ``--disaggregation-transfer-backend mooncake_tcp`` (real bytes over TCP on this host), and ``smg launch
+decode --disaggregation-decode-enable-radix-cache`` (the decode instance keeps its own V4 tree),
+``--disaggregation-transfer-backend mooncake_tcp`` (real bytes over TCP on this host), and ``smg launch
 --pd-disaggregation`` in front. The oracle is the session's single-process server (:func:`conftest.tiny_server`):
 greedy outputs equal token for token, for ``/generate`` and ``/v1/chat/completions``, on prompts past two ratio-128
 blocks with a partial one pending. The bytes the prefill instance submitted to the transfer engine per request are
-the ledger's state of the prompt; after requests, after a client that disconnects mid-request, and after a
-transfer that fails (the test-only ``fault_plugin`` fails a marked prompt's state send), every row is back on both
-instances.
+the ledger's state of the prompt; on a multi-turn session, a later turn's are the ledger's state past the prefix
+the decode instance resumed from its own checkpoint (its new tokens' blocks, the window rows past that prefix and one
+state record), and the outputs still equal one server's. After requests, after a client that disconnects
+mid-request, and after a transfer that fails (the test-only ``fault_plugin`` fails a marked prompt's state send),
+every row is back on both instances.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def pair(tiny_path: Path, log_dir: Path, tmp_path_factory) -> Iterator[dict[str,
     env = {"PYTHONPATH": path, "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "2"}
     bootstrap = free_port()
     prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))
-    decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()))
+    decode_args = ("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port()),
+                   "--disaggregation-decode-enable-radix-cache")  # fmt: skip
     common = ("--dtype", "float32", *TRANSFER)
     with (
         running_server(tiny_path, *common, *prefill_args, "--chunked-prefill-size", "128",
@@ -66,6 +70,10 @@ def pair(tiny_path: Path, log_dir: Path, tmp_path_factory) -> Iterator[dict[str,
         running_pd_router(prefill, bootstrap, decode, log_dir / "pd-smg.log") as router,
     ):  # fmt: skip
         yield {"router": router, "prefill": prefill, "decode": decode}
+
+
+def layout(tiny_path: Path) -> PoolLayout:
+    return PoolLayout(load_config(tiny_path), torch.float32)
 
 
 def transfer_report(url: str) -> dict[str, int]:
@@ -77,9 +85,29 @@ def test_the_pair_generates_what_one_server_does_and_moves_the_ledgers_bytes(pai
     before = transfer_report(pair["prefill"])
     assert greedy(pair["router"], PROMPTS[length], NEW_TOKENS) == greedy(tiny_server, PROMPTS[length], NEW_TOKENS)
     after = transfer_report(pair["prefill"])
-    layout = PoolLayout(load_config(tiny_path), torch.float32)
     assert after["states_sent"] - before["states_sent"] == 1
-    assert after["bytes_sent"] - before["bytes_sent"] == layout.state_bytes_at(length)
+    assert after["decode_prefix_tokens"] == before["decode_prefix_tokens"]  # a prompt the decode side never saw
+    assert after["bytes_sent"] - before["bytes_sent"] == layout(tiny_path).state_bytes_at(length)
+
+
+def test_a_session_resumes_on_the_decode_side_and_each_turn_moves_only_what_it_lacks(pair, tiny_server, tiny_path):
+    """Three turns, each the last one's prompt and output and new tokens (past the 128-token window and a ratio-128
+    block): outputs equal one server's; from the second turn the decode instance holds every token up to the last
+    turn's end (its checkpoint where the finished request's state ends: after its last output token when SGLang's
+    overlap scheduler ran one more step, else before it), and the bytes moved are the ledger's state past that
+    prefix."""
+    session, sizes = [], (300, 150, 200)
+    for turn, new_tokens in enumerate(sizes):
+        session += random_ids(new_tokens, INNOCENT_VOCAB, seed=4490 + turn).tolist()
+        before = transfer_report(pair["prefill"])
+        output = greedy(pair["router"], session, NEW_TOKENS)
+        assert output == greedy(tiny_server, session, NEW_TOKENS)
+        after = transfer_report(pair["prefill"])
+        held = after["decode_prefix_tokens"] - before["decode_prefix_tokens"]
+        previous_end = len(session) - new_tokens
+        assert held == 0 if turn == 0 else previous_end - 1 <= held <= previous_end
+        assert after["bytes_sent"] - before["bytes_sent"] == layout(tiny_path).state_bytes_past(held, len(session))
+        session += output
 
 
 def chat(url: str, messages: list[dict]) -> str:

@@ -26,14 +26,17 @@ def new_pool(config, kv_dtype: torch.dtype) -> V4KVPool:
     return V4KVPool(2048, 1, config, kv_dtype, max_requests=4, max_context=2048, device="cpu")
 
 
-def move_request_state(source: V4KVPool, source_row: int, target: V4KVPool, target_row: int, length: int) -> int:
-    """Each group's rows of the request copied as the transfer engine copies them, from each buffer's address
-    plus row x row length, on both sides' indices (the target's row bound by asking for them); the bytes moved."""
+def move_request_state(
+    source: V4KVPool, source_row: int, target: V4KVPool, target_row: int, length: int, prefix: int = 0
+) -> int:
+    """Each group's rows of the request past the ``prefix`` the target holds, copied as the transfer engine copies
+    them, from each buffer's address plus row x row length, on both sides' indices (the target's row bound by
+    asking for them); the bytes moved."""
     sent = source.request_state_transfer_indices(source_row, length)
     received = target.request_state_transfer_indices(target_row, length)
     moved = 0
     for source_group, target_group in zip(source.transfer.groups, target.transfer.groups, strict=True):
-        source_rows, target_rows = sent.rows(source_group.name), received.rows(target_group.name)
+        source_rows, target_rows = sent.rows(source_group.name, prefix), received.rows(target_group.name, prefix)
         assert len(source_rows) == len(target_rows)
         for (src, _, item), (dst, _, dst_item) in zip(
             zip(*source_group.buffer_infos(), strict=True), zip(*target_group.buffer_infos(), strict=True), strict=True
@@ -77,9 +80,24 @@ def test_the_window_group_moves_only_the_last_window(tiny_model):
     pool.manager.start(1, 1000)
     rows = pool.request_state_transfer_indices(1, 1000)
     window = tiny_model.config.sliding_window
-    assert len(rows.rows(WINDOW)) == window
-    assert len(rows.rows(ratio_group(4))) == 250 and len(rows.rows(ratio_group(128))) == 7
-    assert rows.rows(STATE).tolist() == [1]
+    assert len(rows.rows(WINDOW, 0)) == window
+    assert len(rows.rows(ratio_group(4), 0)) == 250 and len(rows.rows(ratio_group(128), 0)) == 7
+    assert rows.rows(STATE, 0).tolist() == [1]
+
+
+@pytest.mark.parametrize(("prefix", "length"), [(900, 1000), (990, 1000), (129, 1000), (255, 300), (0, 300)])
+def test_past_the_decode_prefix_only_new_blocks_the_windows_new_rows_and_one_record_move(tiny_model, prefix, length):
+    prefill, decode = new_pool(tiny_model.config, torch.float32), new_pool(tiny_model.config, torch.float32)
+    prefill.manager.start(1, length)
+    rows = prefill.request_state_transfer_indices(1, length)
+    window = tiny_model.config.sliding_window
+    assert len(rows.rows(WINDOW, prefix)) == length - max(prefix, length - window)
+    assert len(rows.rows(ratio_group(4), prefix)) == length // 4 - prefix // 4
+    assert len(rows.rows(ratio_group(128), prefix)) == length // 128 - prefix // 128
+    assert rows.rows(STATE, prefix).tolist() == [1]
+    assert move_request_state(prefill, 1, decode, 2, length, prefix) == prefill.storage.layout.state_bytes_past(
+        prefix, length
+    )
 
 
 def test_a_decode_row_is_bound_and_reserved_once_and_returned_when_freed(tiny_model):
@@ -89,7 +107,7 @@ def test_a_decode_row_is_bound_and_reserved_once_and_returned_when_freed(tiny_mo
     again = pool.request_state_transfer_indices(2, 333)
     held = pool.storage.usage()
     assert held["ratio_4_entries"]["free"] == free["ratio_4_entries"]["free"] - 333 // 4
-    assert again.rows(WINDOW).tolist() == pool.storage.tables.window_rows(2, 333 - 128, 333).tolist()
+    assert again.rows(WINDOW, 0).tolist() == pool.storage.tables.window_rows(2, 333 - 128, 333).tolist()
     pool.manager.free(2)
     assert pool.storage.usage() == free
 
@@ -102,7 +120,7 @@ def test_each_component_resolves_to_its_own_group_whatever_order_sglang_asks_in(
     manager = SimpleNamespace(kv_args=SimpleNamespace(dsv4_groups={i + 1: name for i, name in enumerate(order)}))
     other = np.array([7, 8], dtype=np.int32)  # another pool's component before ours: left as it is
     asked = RequestStateRows(pool.transfer, 1, 300)
-    resolved = _resolve_rows(manager, [other, *[asked] * len(order)])
+    resolved = _resolve_rows(manager, [other, *[asked] * len(order)], 0)
     assert resolved[0] is other
     for position, name in enumerate(order, start=1):
         assert resolved[position].tolist() == pool.transfer.rows(name, 1, 300).tolist()
@@ -113,6 +131,7 @@ PD_VIEW = dict(
     disaggregation_transfer_backend="mooncake",
     disaggregation_decode_enable_radix_cache=False,
     disaggregation_enable_kv_checksum=False,
+    enable_hierarchical_cache=False,
     speculative_algorithm=None,
     attn_dp_size=1,
 )
@@ -124,7 +143,10 @@ PD_VIEW = dict(
     [
         ({"disaggregation_transfer_backend": "nixl"}, "--disaggregation-transfer-backend nixl"),
         ({"disaggregation_transfer_backend": "fake"}, "fake moves no bytes"),
-        ({"disaggregation_decode_enable_radix_cache": True}, "--disaggregation-decode-enable-radix-cache"),
+        (
+            {"disaggregation_decode_enable_radix_cache": True, "enable_hierarchical_cache": True},
+            "--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache",
+        ),
         ({"disaggregation_enable_kv_checksum": True}, "--disaggregation-enable-kv-checksum"),
         ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
         ({"attn_dp_size": 2}, "--attn-dp-size 2"),
@@ -135,6 +157,10 @@ def test_what_is_not_built_is_refused_at_launch_naming_the_flag(change, named):
     with pytest.raises(ConfigError, match="--disaggregation-mode prefill") as refusal:
         check_disaggregation(SimpleNamespace(**{**PD_VIEW, **change}))
     assert named in str(refusal.value)
+
+
+def test_the_decode_radix_cache_is_accepted():
+    check_disaggregation(SimpleNamespace(**{**PD_VIEW, "disaggregation_decode_enable_radix_cache": True}))
 
 
 def test_without_disaggregation_nothing_is_checked():

@@ -244,8 +244,14 @@ class PoolLayout:
         """A request's state at ``context`` tokens, what a decode instance continues from: the window rows of its
         last ``sliding_window`` tokens, the entries (and indexer keys) of its complete blocks and one state record
         (:mod:`.transfer` moves exactly these)."""
-        window = min(context, self.config.sliding_window) * self.window_slot_bytes
-        entries = sum(context // b.ratio * self.row_bytes(b) for b in self.compressed_buffers())
+        return self.state_bytes_past(0, context)
+
+    def state_bytes_past(self, prefix: int, context: int) -> int:
+        """What a decode instance that holds the request's state at ``prefix`` tokens lacks at ``context``: the
+        window rows of positions ``max(prefix, context - sliding_window) .. context - 1``, the entries (and
+        indexer keys) of blocks complete at ``context`` but not at ``prefix``, and one state record."""
+        window = (context - max(prefix, context - self.config.sliding_window)) * self.window_slot_bytes
+        entries = sum((context // b.ratio - prefix // b.ratio) * self.row_bytes(b) for b in self.compressed_buffers())
         return window + entries + self.record_bytes
 
     def bytes_for(self, context: int) -> float:

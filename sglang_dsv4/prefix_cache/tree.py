@@ -115,9 +115,13 @@ class V4RadixCache(RadixCache):
         window_policy: str,
         checkpoint_interval: int,
         host_tier: HostTier | None = None,
+        unmatched_prompt_tail: int = 0,
     ):
-        """``host_tier``: where evicted prefixes go instead of being dropped (None: they are dropped)."""
+        """``host_tier``: where evicted prefixes go instead of being dropped (None: they are dropped).
+        ``unmatched_prompt_tail``: tokens at a key's end a match never covers (SGLang's decode instance of a
+        prefill/decode pair leaves the prompt's last one to the prefill instance)."""
         self.manager = manager
+        self.unmatched_prompt_tail = unmatched_prompt_tail
         self.host = host_tier
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.made_by: dict[TreeNode, str] = {}  # the request each checkpoint was made for
@@ -189,6 +193,10 @@ class V4RadixCache(RadixCache):
                 values.append(node.value)
             nodes.extend(node.children.values())
         return torch.cat(values)
+
+    def swa_reprefill_tail_tokens(self, req=None) -> int:
+        """SGLang caps every match this many tokens short of the key's end."""
+        return self.unmatched_prompt_tail
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached prefix of the key that ends at a usable checkpoint."""

@@ -8,8 +8,9 @@ Side by side in one run, on the tiny random checkpoint in float32:
 - ``pair + decode radix cache``: the same with ``--disaggregation-decode-enable-radix-cache`` on the decode instance.
 
 Per turn: TTFT and output speed (tokens after the first over the time after the first) as the client sees them, the
-greedy output (each pair's must equal the server's), the tokens prefilled (prompt tokens less cached ones, from the
-prefilling server's ``/metrics``), and on each pair the bytes the prefill instance handed the transfer engine, the
+greedy output (each pair's must equal the server's), the tokens prefilled (prompt tokens less the reply's
+``cached_tokens``: on a pair the prefill instance's count, raised by SGLang's decode side to its own prefix where that
+is longer), and on each pair the bytes the prefill instance handed the transfer engine, the
 seconds its sends took and the prompt tokens the decode instance held (``/server_info``'s ``dsv4_transfer``),
 against the ledger's state past that prefix (``PoolLayout.state_bytes_past``) and the whole session's state at the
 turn's prompt (``PoolLayout.state_bytes_at``). Turns run one at a time.
@@ -58,7 +59,7 @@ def pinned(cores: set[int]) -> Iterator[None]:
 def pinned_server(stack: contextlib.ExitStack, cores: set[int], model: Path, *args: str, log_path: Path) -> str:
     with pinned(cores):
         return stack.enter_context(
-            running_server(model, "--dtype", "float32", "--enable-metrics", *args, log_path=log_path)
+            running_server(model, "--dtype", "float32", *args, log_path=log_path)
         )
 
 
@@ -75,49 +76,29 @@ def turn(url: str, history: list[int], new_tokens: int) -> dict:
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
             first = first or time.perf_counter()
-            output = json.loads(line[5:])["output_ids"]
+            chunk = json.loads(line[5:])
+            output, cached = chunk["output_ids"], chunk["meta_info"]["cached_tokens"]
     end = time.perf_counter()
     speed = (len(output) - 1) / (end - first) if len(output) > 1 else float("nan")
-    return {"ttft_s": first - start, "tokens_per_s": speed, "output": output}
+    return {"ttft_s": first - start, "tokens_per_s": speed, "output": output, "cached_tokens": cached}
 
 
 def transfer_report(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["dsv4_transfer"]
 
 
-def prefilled_tokens(url: str) -> int:
-    """Prompt tokens less cached ones over the server's finished requests (its ``/metrics`` counters)."""
-    totals = {"sglang:prompt_tokens_total": 0.0, "sglang:cached_tokens_total": 0.0}
-    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return round(totals["sglang:prompt_tokens_total"] - totals["sglang:cached_tokens_total"])
-
-
-def wait_for_count(url: str, before: int) -> int:
-    """The prefilling server counts a request when its tokenizer manager has its output, which can come after the
-    router's reply: the count once it moved (or after 10 s)."""
-    deadline = time.monotonic() + 10
-    while (now := prefilled_tokens(url)) == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return now
-
-
-def replay(url: str, sessions, tokenizer, prefilling: str, prefill: str | None) -> list[dict]:
+def replay(url: str, sessions, tokenizer, prefill: str | None) -> list[dict]:
     """Every session's turns in order, one at a time; each turn's history is the last one's, its reply and the
-    turn's new messages. ``prefilling``: the server whose prefilled tokens count; ``prefill``: a pair's prefill
-    instance (None for one server)."""
+    turn's new messages. ``prefill``: a pair's prefill instance (None for one server)."""
     rows = []
     for session in sessions:
         history: list[int] = []
         for number, recorded in enumerate(session.turns):
             history = history + render(tokenizer, recorded.new_messages)
             before = transfer_report(prefill) if prefill else None
-            prefilled_before = prefilled_tokens(prefilling)
             row = {"session": session.name, "turn": number, "prompt_tokens": len(history),
                    **turn(url, history, recorded.output_tokens)}  # fmt: skip
-            row["prefilled_tokens"] = wait_for_count(prefilling, prefilled_before) - prefilled_before
+            row["prefilled_tokens"] = len(history) - row["cached_tokens"]
             if prefill:
                 after = transfer_report(prefill)
                 row["bytes_sent"] = after["bytes_sent"] - before["bytes_sent"]
@@ -138,7 +119,7 @@ def replay_on_pair(model: Path, work: Path, name: str, sessions, tokenizer, *dec
         decode = pinned_server(stack, {1}, model, *TRANSFER, *decode_args, *decode_flags,
                                log_path=work / f"{name}-decode.log")  # fmt: skip
         router = stack.enter_context(running_pd_router(prefill, bootstrap, decode, work / f"{name}-smg.log"))
-        return replay(router, sessions, tokenizer, prefill, prefill)
+        return replay(router, sessions, tokenizer, prefill)
 
 
 def compare(alone: list[dict], paired: list[dict], layout: PoolLayout) -> dict:
@@ -189,7 +170,7 @@ def main() -> None:
 
     with contextlib.ExitStack() as stack:
         single = pinned_server(stack, {0, 1}, model, log_path=work / "single.log")
-        alone = replay(single, sessions, tokenizer, single, None)
+        alone = replay(single, sessions, tokenizer, None)
     pairs = {
         "pair (core 0 + core 1) + smg": replay_on_pair(model, work, "pair", sessions, tokenizer),
         "pair + decode radix cache": replay_on_pair(

@@ -125,6 +125,8 @@ class RequestTables:
         self.entry_table = {r: table.host for r, table in self._entries.items()}
         self.on_device = DeviceTables(self._window.device, {r: table.device for r, table in self._entries.items()})
         self.entry_count = {r: [0] * request_rows for r in self.ratios}
+        # Per ratio, the row's first entries that it borrows: read, not counted (a resumed prefix's, see bind).
+        self.borrowed = {r: [0] * request_rows for r in self.ratios}
         self.position = [0] * request_rows  # tokens the row's state has run through
         self.last_step = [0] * request_rows  # tokens of the row's last forward
         self.held_from = [0] * request_rows  # window slots below this position are released
@@ -159,9 +161,18 @@ class RequestTables:
 
     # --- binding a row to a request --------------------------------------------------------
 
-    def bind(self, row: int, position: int = 0, window: torch.Tensor | None = None, entries=None) -> None:
-        """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before
-        ``position``) and entry rows ``entries`` are shared, not copied."""
+    def bind(
+        self,
+        row: int,
+        position: int = 0,
+        window: torch.Tensor | None = None,
+        borrowed_entries: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before ``position``) are
+        shared, not copied; its first entry rows, per ratio ``borrowed_entries`` (a cached prefix's), are
+        borrowed: read, with no reference counted, for whoever keeps them keeps them for as long as the row is
+        bound (the prefix tree, under the request's lock: :meth:`~sglang_dsv4.prefix_cache.checkpoints.Checkpoints.resume`).
+        """
         if self.bound[row]:
             raise AssertionError(f"request row {row} is bound twice")
         self.bound[row] = True
@@ -172,10 +183,9 @@ class RequestTables:
             self._window.write(row, slice(position - len(window), position), window)
         self.held_from[row] = position - (0 if window is None else len(window))
         for ratio in self.ratios:
-            rows = entries[ratio] if entries else torch.zeros(0, dtype=torch.int64)
-            self.entry_rows[ratio].share(rows)
+            rows = borrowed_entries[ratio] if borrowed_entries else torch.zeros(0, dtype=torch.int64)
             self.write_entries(ratio, row, slice(0, len(rows)), rows)
-            self.entry_count[ratio][row] = len(rows)
+            self.entry_count[ratio][row] = self.borrowed[ratio][row] = len(rows)
 
     def reserve(self, row: int, target: int) -> None:
         """What a forward from the row's position up to ``target`` tokens cannot run without, from
@@ -322,6 +332,8 @@ class RequestTables:
         end = self.position[row]
         if position >= end:
             return
+        if any(position // ratio < self.borrowed[ratio][row] for ratio in self.ratios):
+            raise AssertionError(f"request row {row} rewound to {position}, into the prefix it borrows entries of")
         self.release_window(row, torch.arange(position, end))
         for ratio in self.ratios:
             keep, count = position // ratio, self.entry_count[ratio][row]
@@ -340,6 +352,10 @@ class RequestTables:
     def entries(self, row: int, ratio: int, first: int, last: int) -> torch.Tensor:
         return self.entry_table[ratio][row, first:last]
 
+    def counted_entries(self, row: int, ratio: int) -> torch.Tensor:
+        """The row's entry rows it counts a reference on (all but those it borrows, :meth:`bind`)."""
+        return self.entry_table[ratio][row, self.borrowed[ratio][row] : self.entry_count[ratio][row]]
+
     def window_suffix(self, row: int, position: int, limit: int) -> torch.Tensor:
         """The slots of the unbroken run of held positions ending at ``position`` (at most ``limit``)."""
         slots = self.window_table[row, max(position - limit, self.held_from[row], 0) : position]
@@ -349,17 +365,17 @@ class RequestTables:
     # --- returning a row's rows -------------------------------------------------------------
 
     def free(self, row: int) -> None:
-        """The row's request is gone: its window slots and entry rows go back."""
+        """The row's request is gone: its window slots and entry rows go back (those it borrowed stay with
+        whoever lent them)."""
         if not self.bound[row]:
             return
         held = slice(self.held_from[row], self.position[row])
         self.window_slots.release(self.window_table[row, held])
         self._window.write(row, held, 0)
         for ratio in self.ratios:
-            count = self.entry_count[ratio][row]
-            self.entry_rows[ratio].release(self.entry_table[ratio][row, :count])
-            self.write_entries(ratio, row, slice(0, count), 0)
-            self.entry_count[ratio][row] = 0
+            self.entry_rows[ratio].release(self.counted_entries(row, ratio))
+            self.write_entries(ratio, row, slice(0, self.entry_count[ratio][row]), 0)
+            self.entry_count[ratio][row] = self.borrowed[ratio][row] = 0
         self.bound[row] = False
         self.unlaunched.discard(row)
         self.position[row] = self.held_from[row] = self.last_step[row] = 0

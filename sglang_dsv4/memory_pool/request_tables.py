@@ -47,11 +47,16 @@ def has_device_twins(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
+LONG_SPAN = 4096
+"""Columns from which a row's span written at once is noted as a span, copied as one slice at the flush, rather than
+cell by cell, sorted with every other noted cell (a resumed prefix's entries, a long row's freed)."""
+
+
 class MirroredTable:
     """An int64 table of pool rows written on the host, read by forwards from its ``device`` twin.
 
-    :meth:`write` changes the host table at once and notes the cells; :meth:`flush` copies the
-    noted cells' current values to the twin, so the last write of a cell wins however often the
+    :meth:`write` changes the host table at once and notes the cells (a long span as a span); :meth:`flush`
+    copies the noted cells' current values to the twin, so the last write of a cell wins however often the
     scheduler rewrote it in between.
     """
 
@@ -59,6 +64,7 @@ class MirroredTable:
         self.host = torch.zeros(rows, columns, dtype=TABLE_DTYPE)
         self.device = torch.zeros_like(self.host, device=device) if has_device_twins(device) else self.host
         self._changed: list[torch.Tensor] = []
+        self._spans: list[tuple[int, int, int]] = []  # (row, first column, end column)
 
     def write(self, row: int, columns: torch.Tensor | slice, values: torch.Tensor | int) -> None:
         """``host[row, columns] = values``, and the cells noted for the next flush."""
@@ -66,7 +72,11 @@ class MirroredTable:
         if self.device is not self.host:
             width = self.host.shape[1]
             if isinstance(columns, slice):
-                columns = torch.arange(*columns.indices(width))
+                first, end, step = columns.indices(width)
+                if step == 1 and end - first >= LONG_SPAN:
+                    self._spans.append((row, first, end))
+                    return
+                columns = torch.arange(first, end, step)
             self._changed.append(row * width + columns)
 
     def write_cells(self, rows: torch.Tensor, columns: torch.Tensor, values: torch.Tensor | int) -> None:
@@ -81,13 +91,17 @@ class MirroredTable:
         return 0 if self.device is self.host else self.device.numel() * self.device.element_size()
 
     def flush(self) -> None:
+        # Host to device, never waited for: the host values are copied out before the call returns (the spans'
+        # and the cells' alike: both read the host's current values, so their order does not matter).
+        for row, first, end in self._spans:
+            self.device[row, first:end].copy_(self.host[row, first:end].clone(), non_blocking=True)
+        self._spans.clear()
         if not self._changed:
             return
         cells = torch.unique(torch.cat(self._changed))
         self._changed.clear()
         values = self.host.view(-1)[cells]
         device = self.device.device
-        # Host to device, never waited for: the host values are copied out before the call returns.
         self.device.view(-1)[cells.to(device, non_blocking=True)] = values.to(device, non_blocking=True)
 
 

@@ -185,8 +185,8 @@ class RequestTables:
         """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before ``position``) are
         shared, not copied; its first entry rows, per ratio ``borrowed_entries`` (a cached prefix's), are
         borrowed: read, with no reference counted, for whoever keeps them keeps them for as long as the row is
-        bound (the prefix tree, under the request's lock: :meth:`~sglang_dsv4.prefix_cache.checkpoints.Checkpoints.resume`).
-        """
+        bound (the prefix tree, under the request's lock: ``Checkpoints.resume`` in
+        :mod:`sglang_dsv4.prefix_cache.checkpoints`)."""
         if self.bound[row]:
             raise AssertionError(f"request row {row} is bound twice")
         self.bound[row] = True

@@ -196,9 +196,9 @@ class Checkpoints:
         SGLang evicts only leaves nobody locks, and the request's lock, taken at admission before its row is
         allocated, covers the prefix until the request lets go of it: each checkpoint moves it down the same
         path (``_lock_deeper``; when it locks anew from the root, the new node's path holds the same prefix
-        slots, and nothing is evicted between the unlock and the lock). SGLang releases a request (finished, aborted, retracted) by
-        unlocking and then freeing its row, with no eviction between, and resets the tree only with no
-        request running. Neither the checkpoint nor any other checkpoint lends the entries, so dropping
+        slots, and nothing is evicted between the unlock and the lock). SGLang releases a request (finished,
+        aborted, retracted) by unlocking and then freeing its row, with no eviction between, and resets the tree
+        only with no request running. Neither the checkpoint nor any other checkpoint lends the entries, so dropping
         checkpoints (under eviction pressure, retention, per_request's superseded ones) takes none of them.
         The row never lets a borrowed entry go: :meth:`EntryOwnership.adopt` and ``commit`` reach only blocks
         ending at or after the row's resume position, and a speculative rollback never rewinds into the prefix

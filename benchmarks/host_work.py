@@ -3,11 +3,14 @@
     python benchmarks/host_work.py [--histories 2000,16000,64000,131072,1048576] [--before REV]
 
 A resumed turn costs the scheduler, in our code: the match of the resent prompt (:meth:`V4RadixCache.match_prefix`),
-binding the row to the checkpoint it resumes from (``maybe_hand_to_session``), and the checkpoints at the prompt's
-end and at the request's end (``checkpoint``: the insert, the row's slots, entry ownership, the checkpoints
-attached). This times each of them, driven as SGLang's scheduler drives them (the order of
-``tests/test_prefix_tree.py``'s scheduler), with no forward: what the tree, pools and tables do is what a served
-turn does; the rows hold whatever they held (nothing reads them here).
+binding the row to the checkpoint it resumes from (``maybe_hand_to_session``), the checkpoints at the prompt's end
+and at the request's end (``checkpoint``: the insert, the row's slots, entry ownership, the checkpoints attached),
+and releasing the request (its lock, its row's window slots and entry rows: ``release_row``); and the request
+tables' flush to their device twins as the prefill forward begins (``table_flush``: the bind's writes and the last
+release's; the tables are given twins of their own, as on a GPU, copied host to host here). This times each of
+them, driven as SGLang's scheduler drives them (the order of ``tests/test_prefix_tree.py``'s scheduler), with no
+forward: what the tree, pools and tables do is what a served turn does; the rows hold whatever they held (nothing
+reads them here).
 
 The long histories are built without a forward (a cold 1M-token prefill takes hours on this host): a benchmark-only
 fixture runs a session of ``--seed-turns`` turns that grow it to the history, each through the same calls, so the
@@ -35,7 +38,7 @@ from array import array
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("match", "hand_to_session", "prompt_checkpoint", "request_checkpoint")
+PHASES = ("match", "hand_to_session", "table_flush", "prompt_checkpoint", "request_checkpoint", "release_row")
 
 
 def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions: int) -> dict[str, float]:
@@ -61,6 +64,9 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
     tokens = (history + sessions * (turns + 2) * (new_tokens + 2)) * (3 if sessions == 1 else 3 / 4)
     tokens, rows = int(tokens) + 4096, 4
     pool = V4KVPool(tokens, 1, config, torch.float32, max_requests=rows, max_context=context, device="cpu")
+    tables = pool.storage.tables
+    for mirror in (tables._window, *tables._entries.values()):  # twins of their own, as on a GPU
+        mirror.device = mirror.host.clone()
     row_pool = ReqToTokenPool(rows, context, "cpu", enable_memory_saver=False)
     row_pool.attach_aux_cache(pool.manager)
     slots = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", pool, need_sort=False)
@@ -84,6 +90,12 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
             tree.evict(EvictParams(num_tokens=count - slots.available_size()))
         return slots.alloc(count)
 
+    def release(req: Request, row: int, length: int) -> None:
+        """SGLang's release of a request after its checkpoint: its own token slots, its lock, its row."""
+        slots.free(row_pool.req_to_token[row][req.kv.cache_protected_len : length].to(torch.int64))
+        tree.unlock(req.lock)
+        row_pool.free_rows([row])
+
     def turn(sequence: list[int], new: int, number: int) -> list[int]:
         """One turn as SGLang runs it: match, row, bind, prompt checkpoint, one decode step, request checkpoint,
         release."""
@@ -99,19 +111,19 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
         )
         req.kv.cache_protected_len, req.kv.kv_allocated_len = req.prefix_len, len(prompt)
         timed("hand_to_session", tree.maybe_hand_to_session, req)
+        timed("table_flush", tables.begin_forward)  # the prefill's: the bind's writes and the last release's
         timed("prompt_checkpoint", tree.checkpoint, req, up_to=len(prompt))
         length = req.kv.kv_allocated_len
         row_pool.req_to_token[row, length] = int(take_slots(1)[0])
         row_pool.alloc_aux_to_lengths(
             req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([length + 1])
         )
+        tables.begin_forward()  # the decode step's (a few cells: decode_step_host.py times these)
         req.kv.kv_allocated_len = length + 1
         req.full_untruncated_fill_ids.append(rng.randrange(1024))
         req.done = True
         timed("request_checkpoint", tree.checkpoint, req, up_to=length + 1)
-        slots.free(row_pool.req_to_token[row][req.kv.cache_protected_len : length + 1].to(torch.int64))
-        tree.unlock(req.lock)
-        row_pool.free_rows([row])
+        timed("release_row", release, req, row, length + 1)
         return list(req.full_untruncated_fill_ids[: length + 1])
 
     system = [rng.randrange(1024) for _ in range(min(2000, each // 2))]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from conftest import random_ids
 
 from sglang_dsv4.kv_cache import V4KVPool
+from sglang_dsv4.memory_pool import request_tables
 from sglang_dsv4.memory_pool.request_tables import DeviceTables, RequestTables
 from sglang_dsv4.memory_pool.shared_rows import SharedRows
 from sglang_dsv4.prefix_cache.manager import NothingCached
@@ -136,14 +137,32 @@ def test_checkpoints_and_requests_return_every_row_they_shared(tiny_model):
     slots = torch.arange(1, 201)
     pool.entry_ownership.commit(1, slots, 0, 200)
     checkpoint = pool.checkpoints.make(1, 200)
-    pool.checkpoints.resume(2, checkpoint, slots)
+    pool.checkpoints.resume(2, checkpoint, slots)  # row 2 borrows the prefix's entries from the prefix cache
     run_through_pool(tiny_model, pool, 2, ids, [100])
     pool.storage.tables.free(1)
     pool.checkpoints.release(checkpoint)
-    pool.entry_ownership.release_slots(slots)
-    assert pool.storage.usage() != before  # row 2 still holds the shared entries
     pool.storage.tables.free(2)
+    assert pool.storage.usage() != before  # the prefix cache still holds the entries row 2 borrowed
+    pool.entry_ownership.release_slots(slots)
     assert pool.storage.usage() == before
+
+
+def test_a_resumed_row_counts_no_reference_on_its_prefixs_entries_and_the_audit_sees_them_freed_under_it(tiny_model):
+    pool = V4KVPool(2048, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
+    run_through_pool(tiny_model, pool, 1, random_ids(300, tiny_model.config.vocab_size, seed=88), [200])
+    slots = torch.arange(1, 201)
+    pool.entry_ownership.commit(1, slots, 0, 200)
+    checkpoint = pool.checkpoints.make(1, 200)
+    pool.storage.tables.free(1)
+    refs = {r: rows.refs.clone() for r, rows in pool.storage.entry_rows.items()}
+    pool.checkpoints.resume(2, checkpoint, slots)
+    assert all(torch.equal(rows.refs, refs[r]) for r, rows in pool.storage.entry_rows.items())
+    assert set(pool.manager.audit([checkpoint]).values()) == {0}
+    with pytest.raises(AssertionError, match="into the prefix"):
+        pool.storage.tables.rewind(2, 150)
+    pool.entry_ownership.release_slots(slots)  # what the request's lock on the prefix forbids
+    audit = pool.manager.audit([checkpoint])
+    assert audit["ratio_4_borrowed_entries_free"] == 50 and audit["ratio_4_entries"] == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -363,10 +382,12 @@ def assert_twins_equal(tables: RequestTables) -> None:
         assert torch.equal(tables.on_device.entry_table[ratio], table), f"ratio {ratio}"
 
 
-def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_model):
+@pytest.mark.parametrize("long_span", [request_tables.LONG_SPAN, 16])
+def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_model, long_span, monkeypatch):
     """Rows bound fresh and from checkpoints, reserved in prefill and decode steps, trimmed under both
     window policies, snapshots planned and taken, rows freed: after each flush the twins equal the
-    host tables, and between flushes they keep what the last one copied."""
+    host tables, and between flushes they keep what the last one copied (long spans noted as spans too)."""
+    monkeypatch.setattr(request_tables, "LONG_SPAN", long_span)
     pool = V4KVPool(4096, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     tables = with_device_twins(pool.storage.tables)
     pool.checkpoints.interval = 64

@@ -47,11 +47,16 @@ def has_device_twins(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
+LONG_SPAN = 4096
+"""Columns from which a row's span written at once is noted as a span, copied as one slice at the flush, rather than
+cell by cell, sorted with every other noted cell (a resumed prefix's entries, a long row's freed)."""
+
+
 class MirroredTable:
     """An int64 table of pool rows written on the host, read by forwards from its ``device`` twin.
 
-    :meth:`write` changes the host table at once and notes the cells; :meth:`flush` copies the
-    noted cells' current values to the twin, so the last write of a cell wins however often the
+    :meth:`write` changes the host table at once and notes the cells (a long span as a span); :meth:`flush`
+    copies the noted cells' current values to the twin, so the last write of a cell wins however often the
     scheduler rewrote it in between.
     """
 
@@ -59,6 +64,7 @@ class MirroredTable:
         self.host = torch.zeros(rows, columns, dtype=TABLE_DTYPE)
         self.device = torch.zeros_like(self.host, device=device) if has_device_twins(device) else self.host
         self._changed: list[torch.Tensor] = []
+        self._spans: list[tuple[int, int, int]] = []  # (row, first column, end column)
 
     def write(self, row: int, columns: torch.Tensor | slice, values: torch.Tensor | int) -> None:
         """``host[row, columns] = values``, and the cells noted for the next flush."""
@@ -66,7 +72,11 @@ class MirroredTable:
         if self.device is not self.host:
             width = self.host.shape[1]
             if isinstance(columns, slice):
-                columns = torch.arange(*columns.indices(width))
+                first, end, step = columns.indices(width)
+                if step == 1 and end - first >= LONG_SPAN:
+                    self._spans.append((row, first, end))
+                    return
+                columns = torch.arange(first, end, step)
             self._changed.append(row * width + columns)
 
     def write_cells(self, rows: torch.Tensor, columns: torch.Tensor, values: torch.Tensor | int) -> None:
@@ -81,13 +91,17 @@ class MirroredTable:
         return 0 if self.device is self.host else self.device.numel() * self.device.element_size()
 
     def flush(self) -> None:
+        # Host to device, never waited for: the host values are copied out before the call returns (the spans'
+        # and the cells' alike: both read the host's current values, so their order does not matter).
+        for row, first, end in self._spans:
+            self.device[row, first:end].copy_(self.host[row, first:end].clone(), non_blocking=True)
+        self._spans.clear()
         if not self._changed:
             return
         cells = torch.unique(torch.cat(self._changed))
         self._changed.clear()
         values = self.host.view(-1)[cells]
         device = self.device.device
-        # Host to device, never waited for: the host values are copied out before the call returns.
         self.device.view(-1)[cells.to(device, non_blocking=True)] = values.to(device, non_blocking=True)
 
 
@@ -125,6 +139,8 @@ class RequestTables:
         self.entry_table = {r: table.host for r, table in self._entries.items()}
         self.on_device = DeviceTables(self._window.device, {r: table.device for r, table in self._entries.items()})
         self.entry_count = {r: [0] * request_rows for r in self.ratios}
+        # Per ratio, the row's first entries that it borrows: read, not counted (a resumed prefix's, see bind).
+        self.borrowed = {r: [0] * request_rows for r in self.ratios}
         self.position = [0] * request_rows  # tokens the row's state has run through
         self.last_step = [0] * request_rows  # tokens of the row's last forward
         self.held_from = [0] * request_rows  # window slots below this position are released
@@ -159,9 +175,18 @@ class RequestTables:
 
     # --- binding a row to a request --------------------------------------------------------
 
-    def bind(self, row: int, position: int = 0, window: torch.Tensor | None = None, entries=None) -> None:
-        """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before
-        ``position``) and entry rows ``entries`` are shared, not copied."""
+    def bind(
+        self,
+        row: int,
+        position: int = 0,
+        window: torch.Tensor | None = None,
+        borrowed_entries: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Start ``row`` at ``position``: its window slots ``window`` (the tokens just before ``position``) are
+        shared, not copied; its first entry rows, per ratio ``borrowed_entries`` (a cached prefix's), are
+        borrowed: read, with no reference counted, for whoever keeps them keeps them for as long as the row is
+        bound (the prefix tree, under the request's lock: ``Checkpoints.resume`` in
+        :mod:`sglang_dsv4.prefix_cache.checkpoints`)."""
         if self.bound[row]:
             raise AssertionError(f"request row {row} is bound twice")
         self.bound[row] = True
@@ -172,10 +197,9 @@ class RequestTables:
             self._window.write(row, slice(position - len(window), position), window)
         self.held_from[row] = position - (0 if window is None else len(window))
         for ratio in self.ratios:
-            rows = entries[ratio] if entries else torch.zeros(0, dtype=torch.int64)
-            self.entry_rows[ratio].share(rows)
+            rows = borrowed_entries[ratio] if borrowed_entries else torch.zeros(0, dtype=torch.int64)
             self.write_entries(ratio, row, slice(0, len(rows)), rows)
-            self.entry_count[ratio][row] = len(rows)
+            self.entry_count[ratio][row] = self.borrowed[ratio][row] = len(rows)
 
     def reserve(self, row: int, target: int) -> None:
         """What a forward from the row's position up to ``target`` tokens cannot run without, from
@@ -322,6 +346,8 @@ class RequestTables:
         end = self.position[row]
         if position >= end:
             return
+        if any(position // ratio < self.borrowed[ratio][row] for ratio in self.ratios):
+            raise AssertionError(f"request row {row} rewound to {position}, into the prefix it borrows entries of")
         self.release_window(row, torch.arange(position, end))
         for ratio in self.ratios:
             keep, count = position // ratio, self.entry_count[ratio][row]
@@ -340,6 +366,10 @@ class RequestTables:
     def entries(self, row: int, ratio: int, first: int, last: int) -> torch.Tensor:
         return self.entry_table[ratio][row, first:last]
 
+    def counted_entries(self, row: int, ratio: int) -> torch.Tensor:
+        """The row's entry rows it counts a reference on (all but those it borrows, :meth:`bind`)."""
+        return self.entry_table[ratio][row, self.borrowed[ratio][row] : self.entry_count[ratio][row]]
+
     def window_suffix(self, row: int, position: int, limit: int) -> torch.Tensor:
         """The slots of the unbroken run of held positions ending at ``position`` (at most ``limit``)."""
         slots = self.window_table[row, max(position - limit, self.held_from[row], 0) : position]
@@ -349,17 +379,17 @@ class RequestTables:
     # --- returning a row's rows -------------------------------------------------------------
 
     def free(self, row: int) -> None:
-        """The row's request is gone: its window slots and entry rows go back."""
+        """The row's request is gone: its window slots and entry rows go back (those it borrowed stay with
+        whoever lent them)."""
         if not self.bound[row]:
             return
         held = slice(self.held_from[row], self.position[row])
         self.window_slots.release(self.window_table[row, held])
         self._window.write(row, held, 0)
         for ratio in self.ratios:
-            count = self.entry_count[ratio][row]
-            self.entry_rows[ratio].release(self.entry_table[ratio][row, :count])
-            self.write_entries(ratio, row, slice(0, count), 0)
-            self.entry_count[ratio][row] = 0
+            self.entry_rows[ratio].release(self.counted_entries(row, ratio))
+            self.write_entries(ratio, row, slice(0, self.entry_count[ratio][row]), 0)
+            self.entry_count[ratio][row] = self.borrowed[ratio][row] = 0
         self.bound[row] = False
         self.unlaunched.discard(row)
         self.position[row] = self.held_from[row] = self.last_step[row] = 0

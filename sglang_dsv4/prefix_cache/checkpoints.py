@@ -185,12 +185,31 @@ class Checkpoints:
         return Checkpoint(position, slots, int(record[0]))
 
     def resume(self, row: int, checkpoint: Checkpoint, prefix_slots: torch.Tensor) -> None:
-        """Bind the free row ``row`` to continue from ``checkpoint``, whose prefix's token
-        slots are ``prefix_slots`` (their blocks' entries are shared, not copied)."""
+        """Bind the free row ``row`` to continue from ``checkpoint``, whose prefix's token slots are
+        ``prefix_slots``, cached by the tree and locked by the request (the row shares the checkpoint's window
+        slots and borrows its prefix's entry rows: written into its table, no reference counted on them, so
+        binding and freeing the row cost its new tokens, not its history).
+
+        Borrowing is safe because the tree keeps those entry rows for as long as the row is bound. They live
+        as long as the tree holds the token slots of their blocks' last tokens (:class:`EntryOwnership`),
+        which it lets go of only when it evicts them (to the host tier too, :mod:`.host_tier`) or is reset.
+        SGLang evicts only leaves nobody locks, and the request's lock, taken at admission before its row is
+        allocated, covers the prefix until the request lets go of it: each checkpoint moves it down the same
+        path (``_lock_deeper``; when it locks anew from the root, the new node's path holds the same prefix
+        slots, and nothing is evicted between the unlock and the lock). SGLang releases a request (finished,
+        aborted, retracted) by unlocking and then freeing its row, with no eviction between, and resets the tree
+        only with no request running. Neither the checkpoint nor any other checkpoint lends the entries, so dropping
+        checkpoints (under eviction pressure, retention, per_request's superseded ones) takes none of them.
+        The row never lets a borrowed entry go: :meth:`EntryOwnership.adopt` and ``commit`` reach only blocks
+        ending at or after the row's resume position, and a speculative rollback never rewinds into the prefix
+        (:meth:`RequestTables.rewind` refuses). A forward still in flight when the tree later evicts them reads
+        rows written next only by a later forward on the same stream (as :meth:`drop_newest` argues). The
+        audit checks it: no borrowed row of a bound row is free (:meth:`CacheManager.audit`).
+        """
         position = checkpoint.position
         entries = self.entry_ownership.of_prefix(prefix_slots, position)
         window = checkpoint.window[-self.storage.config.sliding_window :]
-        self.storage.tables.bind(row, position, window, entries)
+        self.storage.tables.bind(row, position, window, borrowed_entries=entries)
         self.storage.restore_record(row, checkpoint.record)
         checkpoint.touch()
 

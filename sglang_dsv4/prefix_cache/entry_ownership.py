@@ -54,7 +54,7 @@ class EntryOwnership:
     def of_prefix(self, prefix_slots: torch.Tensor, position: int) -> dict[int, torch.Tensor]:
         """Per ratio, the entry rows of the complete blocks of a cached prefix of ``position`` tokens."""
         entries = {
-            r: torch.index_select(of_slot, 0, prefix_slots[r - 1 : position : r].long())
+            r: torch.index_select(of_slot, 0, prefix_slots[r - 1 : position : r])  # int32 or int64 slots
             for r, of_slot in self.of_slot.items()
         }
         if any(len(rows) and int(rows.min()) == 0 for rows in entries.values()):

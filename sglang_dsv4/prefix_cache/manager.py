@@ -256,8 +256,9 @@ class CacheManager:
 
     def audit(self, cached: list[Checkpoint]) -> dict[str, int]:
         """Rows whose reference count differs from what the request rows, the tree's ``cached``
-        checkpoints, the pending snapshots and the tree's entries hold, per kind of row (all zero
-        when nothing leaked or was freed twice)."""
+        checkpoints, the pending snapshots and the tree's entries hold, per kind of row, and the entry rows
+        a request row borrows (:meth:`Checkpoints.resume`) that are free (all zero when nothing leaked, was
+        freed twice or was freed under a row reading it)."""
         storage, tables = self.storage, self.tables
         holders = [*cached, *(c for row in self.checkpoints.pending.values() for c in row)]
         expected: dict[str, list[torch.Tensor]] = {
@@ -265,16 +266,21 @@ class CacheManager:
             "checkpoint_records": [torch.tensor([c.record]) for c in holders],
             **{f"ratio_{r}_entries": [of_slot] for r, of_slot in self.entry_ownership.of_slot.items()},
         }
+        borrowed_free = {f"ratio_{r}_borrowed_entries_free": 0 for r in tables.ratios}
         for row in range(tables.request_rows):
             if tables.bound[row]:
                 expected["window_slots"].append(tables.window_table[row, tables.held_from[row] : tables.position[row]])
                 for ratio in tables.ratios:
-                    count = tables.entry_count[ratio][row]
-                    expected[f"ratio_{ratio}_entries"].append(tables.entries(row, ratio, 0, count))
+                    expected[f"ratio_{ratio}_entries"].append(tables.counted_entries(row, ratio))
+                    borrowed = tables.entries(row, ratio, 0, tables.borrowed[ratio][row])
+                    borrowed_free[f"ratio_{ratio}_borrowed_entries_free"] += int(
+                        (storage.entry_rows[ratio].refs[borrowed] == 0).sum()
+                    )
         shared = {"window_slots": storage.window_slots, "checkpoint_records": storage.records}
         shared.update({f"ratio_{r}_entries": rows for r, rows in storage.entry_rows.items()})
         none = torch.zeros(0, dtype=torch.int64)
-        return {name: rows.miscounted(torch.cat([none, *expected[name]])) for name, rows in shared.items()}
+        miscounted = {name: rows.miscounted(torch.cat([none, *expected[name]])) for name, rows in shared.items()}
+        return {**miscounted, **borrowed_free}
 
     @property
     def window_slot_bytes(self) -> int:

@@ -97,9 +97,9 @@ class Case:
         parallel = "tp4" if self.attention_tp > 1 else "dp4"
         return f"{self.published.split()[-1]}-{parallel}-{self.attention}"
 
-    @property
-    def gpus_per_rank(self) -> int:
-        return self.attention_tp
+    def ranks_busy(self, published: Published) -> float:
+        """The deployment's ranks this rank stands for: its concurrency is the published one's share."""
+        return published.concurrency / self.concurrency
 
 
 CASES = [
@@ -148,17 +148,24 @@ async def drive(url: str, concurrency: int, prompts: int, seed: int = 0) -> list
 def summarize(case: Case, records: list[dict], device: dict) -> dict:
     duration = max(r["end"] for r in records) - min(r["sent"] for r in records)
     output_tokens = sum(r["tokens"] for r in records)
-    total_per_gpu = output_tokens * (INPUT + OUTPUT) / OUTPUT / duration / case.gpus_per_rank
     published = PUBLISHED[case.published]
+    total_per_gpu = output_tokens * (INPUT + OUTPUT) / OUTPUT / duration * case.ranks_busy(published) / GPUS
     measured = {
         "ttft_ms": round(1e3 * statistics.median(r["ttft_s"] for r in records), 1),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in records), 2),
         "total_tokens_per_s_per_gpu": round(total_per_gpu),
     }
+    rank_time = device["wall_s"]  # the rank's clock from its first forward: no contention, host work scaled
+    rank_clock = {
+        "total_tokens_per_s_per_gpu": round(total_per_gpu * duration / rank_time),
+        "mean_forward_ms": round(1e3 * rank_time / device["forwards"], 2),
+        "occupancy": device["occupancy"],
+    }
     return {
         "case": asdict(case),
         "run_s": round(duration, 1),
         "emulated": measured,
+        "rank_clock": rank_clock,
         "published": asdict(published),
         "emulated_over_published": {k: round(v / getattr(published, k), 3) for k, v in measured.items()},
         "device": device,

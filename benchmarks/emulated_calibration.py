@@ -91,11 +91,12 @@ class Case:
     concurrency: int  # this rank's
     prompts: int
     max_running: int | None = None
+    lockstep: bool = False
 
     @property
     def name(self) -> str:
         parallel = "tp4" if self.attention_tp > 1 else "dp4"
-        return f"{self.published.split()[-1]}-{parallel}-{self.attention}"
+        return f"{self.published.split()[-1]}-{parallel}-{self.attention}" + ("-lockstep" if self.lockstep else "")
 
     def ranks_busy(self, published: Published) -> float:
         """The deployment's ranks this rank stands for: its concurrency is the published one's share."""
@@ -110,6 +111,7 @@ CASES = [
     Case("balanced c64", "measured", 1, 16, 32),
     Case("high-throughput c1024", "flashmla", 1, 256, 128, max_running=64),
     Case("high-throughput c1024", "measured", 1, 256, 128, max_running=64),
+    Case("high-throughput c1024", "flashmla", 1, 256, 128, max_running=64, lockstep=True),
 ]
 
 
@@ -150,6 +152,7 @@ def summarize(case: Case, records: list[dict], device: dict) -> dict:
     output_tokens = sum(r["tokens"] for r in records)
     published = PUBLISHED[case.published]
     total_per_gpu = output_tokens * (INPUT + OUTPUT) / OUTPUT / duration * case.ranks_busy(published) / GPUS
+    queued = sorted(records, key=lambda r: r["sent"])[case.max_running or case.concurrency :]
     measured = {
         "ttft_ms": round(1e3 * statistics.median(r["ttft_s"] for r in records), 1),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in records), 2),
@@ -165,6 +168,9 @@ def summarize(case: Case, records: list[dict], device: dict) -> dict:
         "case": asdict(case),
         "run_s": round(duration, 1),
         "emulated": measured,
+        # the requests that waited in the queue: their decode shares the steps with the others' prefills, as in
+        # upstream's long runs (2048 requests at concurrency 1024)
+        "tpot_ms_queued": round(1e3 * statistics.median(r["tpot_s"] for r in queued), 2) if queued else None,
         "rank_clock": rank_clock,
         "published": asdict(published),
         "emulated_over_published": {k: round(v / getattr(published, k), 3) for k, v in measured.items()},
@@ -173,37 +179,52 @@ def summarize(case: Case, records: list[dict], device: dict) -> dict:
 
 
 def model_budget(case: Case) -> dict:
-    """The timing model's decode step at the case's batch and a mid-output context, and its 8K prefill, by part."""
+    """The timing model's decode step at the case's batch and a mid-output context and its 8K prefill, by part;
+    and the steady-state TPOT they give when every finished request is replaced at once (a queue): each decode
+    step plus the running requests' prefills spread over their outputs, this rank's alone or, under attention
+    DP, every rank's (the ranks run each layer's MoE in lockstep, so one rank's prefill stalls all of them)."""
     timing = case_timing(case)
     batch = min(case.concurrency, case.max_running or case.concurrency)
     context = INPUT + OUTPUT // 2
     step = timing.forward(ForwardShape((1,) * batch, (context,) * batch))
     prefill = timing.forward(ForwardShape((INPUT,), (INPUT,)))
+    prefills_per_token = batch * prefill.total_s / OUTPUT
+    ranks = 1 if case.attention_tp > 1 else GPUS
     return {
         "decode_step_ms": {k: round(v * 1e3, 3) for k, v in {**step.parts, "total": step.total_s}.items()},
         "prefill_8k_ms": {k: round(v * 1e3, 2) for k, v in {**prefill.parts, "total": prefill.total_s}.items()},
+        "steady_tpot_ms": {
+            "this_rank": round(1e3 * (step.total_s + prefills_per_token), 2),
+            "dp_lockstep": round(1e3 * (step.total_s + ranks * prefills_per_token), 2),
+        },
     }
 
 
 def case_timing(case: Case) -> TimingModel:
-    deployment = Deployment(GPUS, "fp8", case.attention_tp, "fp8")
+    deployment = Deployment(GPUS, "fp8", case.attention_tp, "fp8", lockstep=case.lockstep)
     return TimingModel(named_config("flash"), "flash", deployment, attention=case.attention)
 
 
 def implied_acceptance(case: Case, result: dict) -> float | None:
     """For a speculative published figure: the tokens per verify step upstream's MTP must have accepted for its
-    TPOT, were each step as long as the emulator's plain decode step (a lower bound on a verify step's time)."""
+    TPOT, were each step as long as the timing model's plain decode step (a lower bound on a verify step's time)."""
     published = PUBLISHED[case.published]
     if not published.speculation:
         return None
-    return round(result["emulated"]["tpot_ms"] / published.tpot_ms, 2)
+    return round(result["model"]["decode_step_ms"]["total"] / published.tpot_ms, 2)
 
 
 def run_case(case: Case, host_speed: float, scratch: Path) -> dict:
     args = ["--enable-cache-report", "--chunked-prefill-size", "8192"]
     if case.max_running:
         args += ["--max-running-requests", str(case.max_running)]
-    timing = {"attention": case.attention, "attention_tp": case.attention_tp, "experts": "fp8", "host_speed": host_speed}
+    timing = {
+        "attention": case.attention,
+        "attention_tp": case.attention_tp,
+        "experts": "fp8",
+        "host_speed": host_speed,
+        "lockstep": case.lockstep,
+    }
     with running_emulated_server(
         "flash", *args, log_path=scratch / f"{case.name}.log", gpus=GPUS, context_length=16384,
         env={**ONE_TORCH_THREAD, **UPSTREAM_LIKE}, timing=timing,
@@ -220,14 +241,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
+    parser.add_argument("--label", default="", help="a suffix for the runs' names (another host speed, say)")
+    parser.add_argument("--model-only", action="store_true", help="refresh the runs' timing-model budgets only")
     args = parser.parse_args()
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     results = json.loads(OUT.read_text()) if OUT.is_file() else {"sources": SOURCES, "runs": {}}
+    if args.model_only:
+        for case in CASES:
+            for name, run in results["runs"].items():
+                if name.split("@")[0] == case.name:
+                    run["model"] = model_budget(case)
+                    run["implied_acceptance"] = implied_acceptance(case, run)
+        OUT.write_text(json.dumps(results, indent=1) + "\n")
+        return
     with tempfile.TemporaryDirectory() as scratch:
         for case in chosen:
             result = run_case(case, args.host_speed, Path(scratch))
             result["host_speed"] = args.host_speed
-            results["runs"][case.name] = result
+            results["runs"][case.name + args.label] = result
             print(case.name, json.dumps(result["emulated"]), json.dumps(result["emulated_over_published"]), flush=True)
             OUT.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -60,6 +60,10 @@ class Settings:
     # SGLANG_DSV4_PLUGIN_EMULATE_HOST_SPEED: the emulated host's single-thread time over this host's; the scheduler's
     # own thread CPU time between forwards, times this, is what the emulated device sees of its host work.
     emulate_host_speed: float = 1.0
+    # SGLANG_DSV4_PLUGIN_EMULATE_LOCKSTEP=1: the attention-DP ranks' forwards run together, so every rank's extends
+    # stall this one (each of this rank's extends also charges the other ranks' equal ones); 0 (the default): the
+    # other ranks never stall it.
+    emulate_lockstep: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

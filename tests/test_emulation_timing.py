@@ -135,3 +135,12 @@ def test_the_rank_clock_passes_blocked_time_at_the_walls_rate_and_scales_cpu_tim
     while time.thread_time() - cpu < 0.2:
         pass
     assert clock.now() - began == pytest.approx(0.5 * (time.thread_time() - cpu), abs=0.03)  # contention left out
+
+
+def test_lockstep_charges_each_extend_for_every_rank_and_leaves_decode_alone():
+    config, shape = named_config("flash"), ForwardShape((4096,), (4096,))
+    alone = TimingModel(config, "flash", FP8_NODE).forward(shape)
+    lockstep = TimingModel(config, "flash", Deployment(4, "fp8", 1, "fp8", lockstep=True))
+    assert lockstep.forward(shape).total_s == pytest.approx(4 * alone.total_s)
+    decode = ForwardShape((1,) * 8, (8192,) * 8)
+    assert lockstep.forward(decode).total_s == TimingModel(config, "flash", FP8_NODE).forward(decode).total_s

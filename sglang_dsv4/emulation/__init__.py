@@ -54,6 +54,7 @@ def emulation_report(scheduler: Any) -> dict:
         "attention": timing.attention_model,
         "attention_tp": timing.deployment.attention_tp,
         "experts": timing.deployment.experts,
+        "lockstep": timing.deployment.lockstep,
         "layers": timing.layer_counts,
         "capacity": {
             "token_slots": scheduler.max_total_num_tokens,

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--experts", choices=EMULATED_EXPERTS, default="fp4", help="the routed experts' weights")
     parser.add_argument(
+        "--lockstep", action="store_true",
+        help="the attention-DP ranks' forwards run together: every rank's extends stall this one",
+    )
+    parser.add_argument(
         "--host-speed", type=float, default=1.0,
         help="the emulated host's single-thread time over this host's (benchmarks/host_speed.py on both)",
     )
@@ -65,7 +69,12 @@ def emulated_model_dir(config: str, folder: Path | None = None) -> Path:
 
 
 def emulation_env(
-    gpus: int, attention: str = "measured", attention_tp: int = 1, experts: str = "fp4", host_speed: float = 1.0
+    gpus: int,
+    attention: str = "measured",
+    attention_tp: int = 1,
+    experts: str = "fp4",
+    host_speed: float = 1.0,
+    lockstep: bool = False,
 ) -> dict[str, str]:
     prefix = "SGLANG_DSV4_PLUGIN_EMULATE"
     return {
@@ -75,6 +84,7 @@ def emulation_env(
         f"{prefix}_ATTENTION_TP": str(attention_tp),
         f"{prefix}_EXPERTS": experts,
         f"{prefix}_HOST_SPEED": str(host_speed),
+        f"{prefix}_LOCKSTEP": "1" if lockstep else "0",
     }
 
 
@@ -98,5 +108,5 @@ def run(args: argparse.Namespace) -> int:
         *emulated_server_args(model_dir, args.context_length, args.mem_fraction_static),
         *extra,
     ]  # fmt: skip
-    env = emulation_env(args.gpus, args.attention, args.attention_tp, args.experts, args.host_speed)
+    env = emulation_env(args.gpus, args.attention, args.attention_tp, args.experts, args.host_speed, args.lockstep)
     return subprocess.call(command, env={**os.environ, **env})

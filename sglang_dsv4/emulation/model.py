@@ -45,6 +45,7 @@ class EmulatedDeepseekV4ForCausalLM(nn.Module):
             kv_dtype=kv_dtype,
             attention_tp=chosen.emulate_attention_tp,
             experts=chosen.emulate_experts,
+            lockstep=chosen.emulate_lockstep,
         )
         self.timing = TimingModel(
             self.v4_config, timed_model(self.v4_config), deployment, attention=chosen.emulate_attention

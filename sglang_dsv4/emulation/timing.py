@@ -99,13 +99,17 @@ class Deployment:
     all of them (EP, an all-to-all a layer). ``attention_tp == gpus``: one tensor-parallel group (upstream's
     low-latency recipes), every GPU holding 1/gpus of the attention's heads and of every expert, two all-reduces a
     layer; a rank is then the group. ``experts``: the routed experts' weights, ``fp4`` as released or ``fp8`` as
-    upstream's H200 FP8 recipes load them.
+    upstream's H200 FP8 recipes load them. ``lockstep``: the attention-DP ranks run every forward together (each
+    layer's MoE all-to-all joins them), so the other ranks' extends stall this one's steps; with the ranks' loads
+    taken as equal, each extend of this rank stands for one of every rank, their time added to it (an upper
+    bound: this rank's own decode tokens in those steps are not counted).
     """
 
     gpus: int = 8
     kv_dtype: str = "bf16"
     attention_tp: int = 1
     experts: str = "fp4"
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_tp not in (1, self.gpus):
@@ -116,6 +120,11 @@ class Deployment:
     @property
     def tensor_parallel(self) -> bool:
         return self.attention_tp > 1
+
+    @property
+    def ranks(self) -> int:
+        """Attention-DP ranks."""
+        return self.gpus // self.attention_tp
 
     @property
     def parallelism(self) -> Parallelism:
@@ -302,6 +311,8 @@ class TimingModel:
         time.parts["all_to_all"] = layers * self._all_to_all_s(tokens)
         time.parts["head"] = self.parts.us("head", len(shape.new_tokens)) * 1e-6 / self.deployment.attention_tp
         time.parts["sampling"] = self.rooflines.sampling_s
+        if self.deployment.lockstep and not shape.is_decode:
+            time.parts["peer_extends"] = (self.deployment.ranks - 1) * sum(time.parts.values())
         return time
 
     def _dense_us(self, tokens: int) -> float:

@@ -201,7 +201,7 @@ def model_budget(case: Case) -> dict:
 
 
 def case_timing(case: Case) -> TimingModel:
-    deployment = Deployment(GPUS, "fp8", case.attention_tp, "fp8", lockstep=case.lockstep)
+    deployment = Deployment(GPUS, "bf16", case.attention_tp, "fp8", lockstep=case.lockstep)  # the servers' KV
     return TimingModel(named_config("flash"), "flash", deployment, attention=case.attention)
 
 

@@ -11,8 +11,9 @@ A forward is a batch of requests, each with its new tokens and the context they 
   floor with the efficiencies of :class:`Rooflines`);
 * mHC, the MoE gate and the shared expert: **measured** beside them (``benchmarks/whole_layer_step.py``),
   interpolated in the batch's tokens, and never below the shared expert's FP8 roofline;
-* the routed experts (FP4 weights, FP8 compute), the MoE's all-to-all and the sampler: **rooflines** with
-  the efficiencies of :class:`Rooflines` (SGLang's CUDA kernels there were never run by this project);
+* the routed experts (FP4 or FP8 weights, FP8 compute), the MoE's all-to-all (or a TP group's all-reduces) and
+  the sampler: **rooflines** with the efficiencies of :class:`Rooflines` (SGLang's CUDA kernels there were never
+  run by this project);
 
 plus the head, measured. The measured figures are package data (``h200_measurements.json``), extracted from the
 benchmark result files by :func:`extract_measurements` (``tests/test_emulation_timing.py`` checks they agree).
@@ -69,8 +70,9 @@ class ForwardShape:
 class Rooflines:
     """The H200's ceilings and the share of them SGLang's CUDA kernels are assumed to reach.
 
-    Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, FP8 dense 1,979/2 TFLOPS, NVLink 900 GB/s both
-    directions); the efficiencies are assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM
+    Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, NVLink 900 GB/s both directions); the FP8 figure,
+    989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), so 50% of it is a quarter of the
+    dense peak (calibration: RESULTS "Emulated CPG" finds the model too fast already); the efficiencies are assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM
     bandwidth when memory-bound and 50% of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one
     direction of NVLink plus 25 us of latency per dispatch-and-combine (or per layer's two all-reduces under
     tensor parallelism), sampling 40 us a forward. Upstream's attention layer (:class:`RooflineAttention`): its

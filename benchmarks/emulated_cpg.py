@@ -14,7 +14,8 @@ occupancy over the whole run (busy seconds over wall seconds, and over the rank'
 host's contention and scales its host work by ``--host-speed``) and its host waits. Results (small: the table and a
 summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
 
-    python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep]
+    python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
+        [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep]
 """
 
 from __future__ import annotations

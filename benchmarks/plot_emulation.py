@@ -47,7 +47,8 @@ def plot_cpg(run: str) -> Path:
         ttft.plot(levels, [p[2] for p in points], marker="o", label=name)
     speed.axhline(SLO20["tok_s"], color="grey", linestyle="--", linewidth=1)
     ttft.axhline(SLO20["ttft_s"], color="grey", linestyle="--", linewidth=1)
-    for axis, label in ((speed, "slowest agent, tok/s (SLO: at least 20)"), (ttft, "largest TTFT p90, s (SLO: at most 10)")):
+    labels = ("slowest agent, tok/s (SLO: at least 20)", "largest TTFT p90, s (SLO: at most 10)")
+    for axis, label in zip((speed, ttft), labels):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent agents on one H200 (emulated)")
         axis.set_ylabel(label, fontsize=8)

@@ -72,10 +72,11 @@ class Rooflines:
 
     Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, NVLink 900 GB/s both directions); the FP8 figure,
     989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), so 50% of it is a quarter of the
-    dense peak (calibration: RESULTS "Emulated CPG" finds the model too fast already); the efficiencies are assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM
-    bandwidth when memory-bound and 50% of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one
-    direction of NVLink plus 25 us of latency per dispatch-and-combine (or per layer's two all-reduces under
-    tensor parallelism), sampling 40 us a forward. Upstream's attention layer (:class:`RooflineAttention`): its
+    dense peak (calibration: RESULTS "Emulated CPG" finds the model too fast already); the efficiencies are
+    assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM bandwidth when memory-bound and 50%
+    of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one direction of NVLink plus 25 us of
+    latency per dispatch-and-combine (or per layer's two all-reduces under tensor parallelism), sampling 40 us a
+    forward. Upstream's attention layer (:class:`RooflineAttention`): its
     bytes at 70% of HBM bandwidth (FlashMLA's decode reaches about 90% on its own; the layer's small FP8 GEMMs
     less), its FLOPs at 50% of FP8 peak, plus 10 us a layer for its kernels' launch gaps in a CUDA graph.
     """

@@ -10,10 +10,12 @@ switched through ``/set_internal_state`` before every trial (the cache flushed):
 
 Upstream's round-robin DP is not part of this run: it emulates one rank. CPG = the largest concurrency whose
 agents all meet the SLO tier, per GPU (this rank's GPU). Besides the search it reports the emulated device's
-occupancy over the whole run (busy seconds over wall seconds) and its host waits. Results (small: the table and a
+occupancy over the whole run (busy seconds over wall seconds, and over the rank's clock, which leaves out this
+host's contention and scales its host work by ``--host-speed``) and its host waits. Results (small: the table and a
 summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
 
-    python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500]
+    python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
+        [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep]
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
     print(table, flush=True)
     busy = after["device_time"]["busy_s"] - before["device_time"]["busy_s"]
     waited = after["device_time"]["host_waited_s"] - before["device_time"]["host_waited_s"]
+    rank_time = after["device_time"]["wall_s"] - before["device_time"]["wall_s"]
     return {
         "slo": args.slo,
         "warmup_s": args.warmup_s,
@@ -91,8 +94,10 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
             "busy_s": round(busy, 2),
             "host_waited_s": round(waited, 2),
             "occupancy_over_run": round(busy / elapsed, 3),
+            "occupancy_over_rank_clock": round(busy / rank_time, 3),
+            "host_speed": after["device_time"]["host_speed"],
         },
-        "emulation": {k: after[k] for k in ("gpus", "kv_dtype", "capacity", "resident_bytes")},
+        "emulation": {k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes")},
         "table": table,
     }
 
@@ -106,16 +111,19 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=1500.0)
     parser.add_argument("--context-length", type=int, default=131072)
     parser.add_argument("--sessions", type=Path, default=SESSIONS, help="the recorded sessions (jsonl.gz)")
+    parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
+    parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     args = parser.parse_args()
     trajectories = load_sessions(args.sessions, SCALES["gpu"], ToolLatency(), seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         with running_emulated_server(
-            "flash", "--enable-cache-report", log_path=log, gpus=8, context_length=args.context_length, env=ONE_TORCH_THREAD
-        ) as url:
+            "flash", "--enable-cache-report", log_path=log, gpus=8, context_length=args.context_length,
+            env=ONE_TORCH_THREAD, timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
+        ) as url:  # fmt: skip
             summary = run(url, trajectories, args)
     OUT.mkdir(parents=True, exist_ok=True)
-    name = f"{args.slo}_{args.measure_s:g}s"
+    name = f"{args.slo}_{args.measure_s:g}s" + ("_lockstep" if args.lockstep else "")
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
 

@@ -179,9 +179,11 @@ def running_emulated_server(
     gpus: int = 8,
     context_length: int = 131072,
     env: dict | None = None,
+    timing: dict | None = None,
 ) -> Iterator[str]:
     """``dsv4 emulate``'s server (:mod:`sglang_dsv4.emulation`) on a free loopback port; its pools as the ledger
-    sizes them for one H200 of ``gpus``."""
+    sizes them for one H200 of ``gpus``; ``timing``: :func:`~.emulation.command.emulation_env`'s other arguments
+    (attention, attention_tp, experts, host_speed)."""
     from .emulation.command import DEFAULT_MEM_FRACTION_STATIC, emulated_model_dir, emulation_env
 
     model_dir = emulated_model_dir(config, log_path.parent / f"emulated-{config}")
@@ -192,7 +194,7 @@ def running_emulated_server(
         "--mem-fraction-static", str(DEFAULT_MEM_FRACTION_STATIC),
         *extra_args,
         log_path=log_path,
-        env={**(env or {}), **emulation_env(gpus)},
+        env={**(env or {}), **emulation_env(gpus, **(timing or {}))},
         max_total_tokens=None,
     ) as url:  # fmt: skip
         yield url

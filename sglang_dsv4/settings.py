@@ -18,6 +18,8 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 PREFIX_HITS = ("exact", "aligned")
 WINDOW_POLICIES = ("per_request", "all_committed")
 EMULATED_DEVICES = ("", "h200")
+EMULATED_ATTENTION = ("measured", "flashmla")
+EMULATED_EXPERTS = ("fp4", "fp8")
 
 
 class SettingsError(ValueError):
@@ -46,6 +48,22 @@ class Settings:
     # SGLANG_DSV4_PLUGIN_EMULATE_GPUS: under emulation, the H200s of the deployment each rank is one of (one
     # attention-DP rank a GPU, the routed experts split over all of them): its memory and all-to-all.
     emulate_gpus: int = 8
+    # SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION: the timing model's attention, "measured" (this project's kernels on the
+    # H200) or "flashmla" (upstream's kernels at their roofline, for calibration against upstream's figures).
+    emulate_attention: str = "measured"
+    # SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION_TP: 1 (attention DP, one rank a GPU, experts over EP) or EMULATE_GPUS
+    # (one tensor-parallel group: a rank is all the GPUs; flashmla attention only).
+    emulate_attention_tp: int = 1
+    # SGLANG_DSV4_PLUGIN_EMULATE_EXPERTS: the routed experts' weights, "fp4" (as released) or "fp8" (upstream's
+    # H200 FP8 recipes).
+    emulate_experts: str = "fp4"
+    # SGLANG_DSV4_PLUGIN_EMULATE_HOST_SPEED: the emulated host's single-thread time over this host's; the scheduler's
+    # own thread CPU time between forwards, times this, is what the emulated device sees of its host work.
+    emulate_host_speed: float = 1.0
+    # SGLANG_DSV4_PLUGIN_EMULATE_LOCKSTEP=1: the attention-DP ranks' forwards run together, so every rank's extends
+    # stall this one (each of this rank's extends also charges the other ranks' equal ones); 0 (the default): the
+    # other ranks never stall it.
+    emulate_lockstep: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -65,6 +83,8 @@ class Settings:
             "prefix_hits": PREFIX_HITS,
             "window_policy": WINDOW_POLICIES,
             "emulate": EMULATED_DEVICES,
+            "emulate_attention": EMULATED_ATTENTION,
+            "emulate_experts": EMULATED_EXPERTS,
         }
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
@@ -74,6 +94,18 @@ class Settings:
             raise SettingsError(f"{PREFIX}CHECKPOINT_INTERVAL is {self.checkpoint_interval}; allowed: 0 or more")
         if self.emulate_gpus < 1:
             raise SettingsError(f"{PREFIX}EMULATE_GPUS is {self.emulate_gpus}; allowed: 1 or more")
+        if self.emulate_attention_tp not in (1, self.emulate_gpus):
+            raise SettingsError(
+                f"{PREFIX}EMULATE_ATTENTION_TP is {self.emulate_attention_tp}; allowed: 1 or EMULATE_GPUS "
+                f"({self.emulate_gpus})"
+            )
+        if self.emulate_attention_tp > 1 and self.emulate_attention != "flashmla":
+            raise SettingsError(
+                f"{PREFIX}EMULATE_ATTENTION_TP is {self.emulate_attention_tp}: tensor-parallel attention is timed only "
+                f"as upstream's (EMULATE_ATTENTION=flashmla); the measured kernels are one GPU's whole attention"
+            )
+        if self.emulate_host_speed <= 0:
+            raise SettingsError(f"{PREFIX}EMULATE_HOST_SPEED is {self.emulate_host_speed}; allowed: more than 0")
 
 
 def _parse(name: str, raw: str, default: Any) -> Any:
@@ -87,6 +119,11 @@ def _parse(name: str, raw: str, default: Any) -> Any:
             return int(raw)
         except ValueError:
             raise SettingsError(f"{name} is {raw!r}; allowed: an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise SettingsError(f"{name} is {raw!r}; allowed: a number") from None
     return raw.strip()
 
 

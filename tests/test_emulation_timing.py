@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,10 @@ import pytest
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import load_config, named_config
 from sglang_dsv4.emulation.command import emulated_model_dir
+from sglang_dsv4.emulation.device import RankClock
 from sglang_dsv4.emulation.timing import (
+    REFERENCE_ENTRY_BYTES,
+    REFERENCE_INDEXER_KEY_BYTES,
     Deployment,
     ForwardShape,
     Rooflines,
@@ -20,6 +24,7 @@ from sglang_dsv4.emulation.timing import (
 )
 
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
+FP8_NODE = Deployment(gpus=4, kv_dtype="fp8", experts="fp8")
 
 
 def test_package_data_is_the_benchmarks_measurements():
@@ -83,3 +88,59 @@ def test_dsv4_emulate_refuses_an_untimed_config():
     with pytest.raises(SystemExit) as stopped:
         dsv4(["emulate", "--config", "tiny", "--context-length", "4096"])
     assert stopped.value.code == 2
+
+
+def test_flashmla_attention_reads_the_reference_layouts_fp8_kv():
+    from sglang_dsv4.memory_pool.ledger import ReferenceLayout
+
+    reference = ReferenceLayout(named_config("flash"))
+    assert (REFERENCE_ENTRY_BYTES, REFERENCE_INDEXER_KEY_BYTES) == (reference.entry_bytes, reference.indexer_key_bytes)
+
+
+def test_flashmla_decode_is_its_bytes_floor_plus_launches_and_tp_splits_weights_not_kv():
+    config, roof = named_config("flash"), Rooflines()
+    dp = TimingModel(config, "flash", FP8_NODE, attention="flashmla").attention
+    tp = TimingModel(config, "flash", Deployment(4, "fp8", 4, "fp8"), attention="flashmla").attention
+    one = ForwardShape((1,), (8192,))
+    kv = (config.sliding_window + config.index_topk) * REFERENCE_ENTRY_BYTES + 2048 * REFERENCE_INDEXER_KEY_BYTES
+    expected = roof.attention_layer_latency_s + (dp.weight_bytes["csa"] + kv) / (
+        roof.hbm_bytes_per_s * roof.attention_bandwidth_efficiency
+    )
+    assert dp.layer_us("csa", one) == pytest.approx(1e6 * expected)
+    assert tp.weight_bytes["window"] < dp.weight_bytes["window"] / 2  # the heads' projections split over 4
+    assert tp.layer_us("csa", one) < dp.layer_us("csa", one)
+    prefill = ForwardShape((8192,), (8192,))
+    assert dp.layer_us("csa", prefill) > 50 * dp.layer_us("csa", one)  # compute-bound: FLOPs, not bytes
+
+
+def test_tensor_parallel_reads_a_quarter_of_the_touched_experts_and_measured_attention_refuses_it():
+    config, roof = named_config("flash"), Rooflines()
+    tp = TimingModel(config, "flash", Deployment(4, "fp8", 4, "fp8"), attention="flashmla")
+    weights = 3 * config.hidden_size * config.moe_intermediate_size
+    touched = config.n_routed_experts * (1 - (1 - 1 / config.n_routed_experts) ** config.num_experts_per_tok)
+    expected = touched * weights * (1 + 4 / 128**2) / 4 / (roof.hbm_bytes_per_s * roof.expert_bandwidth_efficiency)
+    step = tp.forward(ForwardShape((1,), (8192,)))
+    assert step.parts["routed_experts"] / config.num_layers == pytest.approx(expected)
+    with pytest.raises(ValueError, match="attention DP only"):
+        TimingModel(config, "flash", Deployment(4, "fp8", 4, "fp8"))
+
+
+def test_the_rank_clock_passes_blocked_time_at_the_walls_rate_and_scales_cpu_time():
+    clock, start = RankClock(host_speed=0.5), time.monotonic()
+    began = clock.now()
+    time.sleep(0.1)
+    slept = clock.now() - began
+    assert slept == pytest.approx(time.monotonic() - start, abs=0.02)
+    cpu, began = time.thread_time(), clock.now()
+    while time.thread_time() - cpu < 0.2:
+        pass
+    assert clock.now() - began == pytest.approx(0.5 * (time.thread_time() - cpu), abs=0.03)  # contention left out
+
+
+def test_lockstep_charges_each_extend_for_every_rank_and_leaves_decode_alone():
+    config, shape = named_config("flash"), ForwardShape((4096,), (4096,))
+    alone = TimingModel(config, "flash", FP8_NODE).forward(shape)
+    lockstep = TimingModel(config, "flash", Deployment(4, "fp8", 1, "fp8", lockstep=True))
+    assert lockstep.forward(shape).total_s == pytest.approx(4 * alone.total_s)
+    decode = ForwardShape((1,) * 8, (8192,) * 8)
+    assert lockstep.forward(decode).total_s == TimingModel(config, "flash", FP8_NODE).forward(decode).total_s

@@ -25,12 +25,26 @@ def test_cpu_platform_can_be_forced_off():
     [
         ({"SGLANG_DSV4_PLUGIN_DISABLE": "maybe"}, "SGLANG_DSV4_PLUGIN_DISABLE is 'maybe'"),
         ({"SGLANG_DSV4_PLUGIN_CPU_PLATFORM": "on"}, "SGLANG_DSV4_PLUGIN_CPU_PLATFORM is 'on'; allowed: 'auto', 'off'"),
+        ({"SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION_TP": "8"}, "tensor-parallel attention is timed only as upstream's"),
+        ({"SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION_TP": "4"}, "allowed: 1 or EMULATE_GPUS (8)"),
+        ({"SGLANG_DSV4_PLUGIN_EMULATE_HOST_SPEED": "fast"}, "SGLANG_DSV4_PLUGIN_EMULATE_HOST_SPEED is 'fast'"),
     ],
 )
 def test_malformed_values_name_the_variable(environ, message):
     with pytest.raises(SettingsError) as error:
         Settings.from_env(environ)
     assert message in str(error.value)
+
+
+def test_emulation_timing_settings_read_numbers():
+    chosen = Settings.from_env(
+        {
+            "SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION": "flashmla",
+            "SGLANG_DSV4_PLUGIN_EMULATE_ATTENTION_TP": "8",
+            "SGLANG_DSV4_PLUGIN_EMULATE_HOST_SPEED": "0.5",
+        }
+    )
+    assert (chosen.emulate_attention_tp, chosen.emulate_host_speed) == (8, 0.5)
 
 
 def test_unrelated_variables_are_ignored():

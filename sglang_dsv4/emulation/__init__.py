@@ -51,6 +51,10 @@ def emulation_report(scheduler: Any) -> dict:
         "device": settings().emulate,
         "gpus": timing.deployment.gpus,
         "kv_dtype": timing.deployment.kv_dtype,
+        "attention": timing.attention_model,
+        "attention_tp": timing.deployment.attention_tp,
+        "experts": timing.deployment.experts,
+        "lockstep": timing.deployment.lockstep,
         "layers": timing.layer_counts,
         "capacity": {
             "token_slots": scheduler.max_total_num_tokens,

@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..config import named_config
+from ..settings import EMULATED_ATTENTION, EMULATED_EXPERTS
 from .model import TIMED_MODELS
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -34,6 +35,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context-length", type=int, required=True, help="longest session served (SGLang's request table width)"
     )
     parser.add_argument("--mem-fraction-static", type=float, default=DEFAULT_MEM_FRACTION_STATIC)
+    parser.add_argument(
+        "--attention", choices=EMULATED_ATTENTION, default="measured",
+        help="the timing model's attention: this project's H200 measurements, or upstream's kernels' roofline",
+    )
+    parser.add_argument(
+        "--attention-tp", type=int, default=1,
+        help="1: attention DP, one rank a GPU (experts over EP); --gpus: one TP group (flashmla attention only)",
+    )
+    parser.add_argument("--experts", choices=EMULATED_EXPERTS, default="fp4", help="the routed experts' weights")
+    parser.add_argument(
+        "--lockstep", action="store_true",
+        help="the attention-DP ranks' forwards run together: every rank's extends stall this one",
+    )
+    parser.add_argument(
+        "--host-speed", type=float, default=1.0,
+        help="the emulated host's single-thread time over this host's (benchmarks/host_speed.py on both)",
+    )
     parser.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang's own arguments")
 
 
@@ -50,8 +68,24 @@ def emulated_model_dir(config: str, folder: Path | None = None) -> Path:
     return folder
 
 
-def emulation_env(gpus: int) -> dict[str, str]:
-    return {"SGLANG_DSV4_PLUGIN_EMULATE": "h200", "SGLANG_DSV4_PLUGIN_EMULATE_GPUS": str(gpus)}
+def emulation_env(
+    gpus: int,
+    attention: str = "measured",
+    attention_tp: int = 1,
+    experts: str = "fp4",
+    host_speed: float = 1.0,
+    lockstep: bool = False,
+) -> dict[str, str]:
+    prefix = "SGLANG_DSV4_PLUGIN_EMULATE"
+    return {
+        prefix: "h200",
+        f"{prefix}_GPUS": str(gpus),
+        f"{prefix}_ATTENTION": attention,
+        f"{prefix}_ATTENTION_TP": str(attention_tp),
+        f"{prefix}_EXPERTS": experts,
+        f"{prefix}_HOST_SPEED": str(host_speed),
+        f"{prefix}_LOCKSTEP": "1" if lockstep else "0",
+    }
 
 
 def emulated_server_args(model_dir: Path, context_length: int, mem_fraction_static: float) -> list[str]:
@@ -74,4 +108,5 @@ def run(args: argparse.Namespace) -> int:
         *emulated_server_args(model_dir, args.context_length, args.mem_fraction_static),
         *extra,
     ]  # fmt: skip
-    return subprocess.call(command, env={**os.environ, **emulation_env(args.gpus)})
+    env = emulation_env(args.gpus, args.attention, args.attention_tp, args.experts, args.host_speed, args.lockstep)
+    return subprocess.call(command, env={**os.environ, **env})

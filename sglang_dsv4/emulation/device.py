@@ -1,4 +1,4 @@
-"""The emulated GPU of one rank: a queue of forwards on the wall clock, and the one place the host waits on it.
+"""The emulated GPU of one rank: a queue of forwards on the rank's clock, and the one place the host waits on it.
 
 A GPU runs what the host issued in order, while the host goes on: :meth:`EmulatedDevice.issue` queues a forward
 of a given duration after the ones before it and returns at once with the time it will finish. SGLang's overlap
@@ -7,27 +7,73 @@ batch result, synchronized before the result is processed); :class:`ForwardDone`
 sleeps until the forward's finish. On ``--device cpu`` SGLang's own events do nothing, so without this the
 scheduler would never wait.
 
-Occupancy is the device's busy time over the wall time since its first forward: what SGLang's ``fwd_occupancy``
-reads on a GPU.
+Time is the rank's own (:class:`RankClock`): the wall clock less the time the scheduler's thread waited for a CPU
+(other ranks and processes on this host's cores), with the thread's CPU time (``time.thread_time``) scaled by the
+host-speed factor, so that the device sees the host work an H200 host's core would do, uncontended. The waits are
+real sleeps of the clock's remaining time; work this host does slower than the emulated host shows in the
+clients' wall times, not in the device's timeline.
+
+Occupancy is the device's busy time over the rank's time since its first forward: what SGLang's
+``fwd_occupancy`` reads on a GPU.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..settings import settings
+
+
+def runqueue_wait_s() -> float:
+    """Seconds this thread has waited for a CPU while runnable (Linux ``schedstat``; 0 where there is none)."""
+    try:
+        return int(Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class RankClock:
+    """One thread's clock: wall time less its waits for a CPU, its CPU time counted ``host_speed`` times.
+
+    ``host_speed``: the emulated host's single-thread time over this host's (below 1: a faster host). Blocked
+    time (sleeping, waiting for requests) passes at the wall's rate."""
+
+    def __init__(self, host_speed: float = 1.0):
+        self.host_speed = host_speed
+        self._start = self._sample()
+
+    def now(self) -> float:
+        wall, cpu, queued = self._sample()
+        start_wall, start_cpu, start_queued = self._start
+        return wall - (queued - start_queued) - (1 - self.host_speed) * (cpu - start_cpu)
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        return time.monotonic(), time.thread_time(), runqueue_wait_s()
 
 
 @dataclass
 class EmulatedDevice:
+    host_speed: float = 1.0
     busy_until: float = 0.0
     busy_s: float = 0.0
     waited_s: float = 0.0
     forwards: int = 0
     first_issue: float | None = None
+    clock: RankClock | None = field(default=None, repr=False)
+
+    def now(self) -> float:
+        """The rank's clock (started by the first call, in the thread that issues and waits: the scheduler's)."""
+        if self.clock is None:
+            self.clock = RankClock(self.host_speed)
+        return self.clock.now()
 
     def issue(self, seconds: float) -> float:
-        """Queue a forward of ``seconds`` behind those issued before; its finish time (``time.monotonic``)."""
-        now = time.monotonic()
+        """Queue a forward of ``seconds`` behind those issued before; its finish on the rank's clock."""
+        now = self.now()
         if self.first_issue is None:
             self.first_issue = now
         self.busy_until = max(now, self.busy_until) + seconds
@@ -37,28 +83,33 @@ class EmulatedDevice:
 
     def wait_until(self, finish: float) -> None:
         """Block the host until the device reaches ``finish``."""
-        remaining = finish - time.monotonic()
+        remaining = finish - self.now()
         if remaining > 0:
             time.sleep(remaining)
             self.waited_s += remaining
 
     def report(self) -> dict[str, float]:
-        """Forwards, busy and waited seconds, and occupancy so far (busy time queued ahead counted as done)."""
-        wall = 0.0 if self.first_issue is None else max(time.monotonic(), self.busy_until) - self.first_issue
+        """Forwards, busy and waited seconds, the rank's seconds since its first forward and occupancy so far
+        (busy time queued ahead counted as done), and the host-speed factor."""
+        wall = 0.0 if self.first_issue is None else max(self.now(), self.busy_until) - self.first_issue
         return {
             "forwards": self.forwards,
             "busy_s": round(self.busy_s, 3),
             "host_waited_s": round(self.waited_s, 3),
             "wall_s": round(wall, 3),
             "occupancy": round(self.busy_s / wall, 4) if wall > 0 else 0.0,
+            "host_speed": self.host_speed,
         }
 
 
-_DEVICE = EmulatedDevice()
+_DEVICE: EmulatedDevice | None = None
 
 
 def device() -> EmulatedDevice:
-    """This process's emulated device (one rank a process)."""
+    """This process's emulated device (one rank a process), its host-speed factor from the settings."""
+    global _DEVICE
+    if _DEVICE is None:
+        _DEVICE = EmulatedDevice(host_speed=settings().emulate_host_speed)
     return _DEVICE
 
 
@@ -72,7 +123,7 @@ class ForwardDone:
         pass
 
     def query(self) -> bool:
-        return time.monotonic() >= self.finish
+        return device().now() >= self.finish
 
     def synchronize(self) -> None:
         device().wait_until(self.finish)

@@ -39,8 +39,17 @@ class EmulatedDeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.v4_config = served_config(config)
         kv_dtype = "fp8" if "fp8" in str(get_model().kv_cache_dtype) else "bf16"
-        deployment = Deployment(gpus=settings().emulate_gpus, kv_dtype=kv_dtype)
-        self.timing = TimingModel(self.v4_config, timed_model(self.v4_config), deployment)
+        chosen = settings()
+        deployment = Deployment(
+            gpus=chosen.emulate_gpus,
+            kv_dtype=kv_dtype,
+            attention_tp=chosen.emulate_attention_tp,
+            experts=chosen.emulate_experts,
+            lockstep=chosen.emulate_lockstep,
+        )
+        self.timing = TimingModel(
+            self.v4_config, timed_model(self.v4_config), deployment, attention=chosen.emulate_attention
+        )
         self.register_buffer("choice", _fixed_choice(), persistent=False)
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ from ..memory_pool.ledger import RankLedger
 from ..memory_pool.sizing import V4PoolConfigurator
 from ..memory_pool.storage import V4PoolStorage
 from ..model.weight_layout import Parallelism
+from ..settings import settings
 
 
 class WidthlessPoolStorage(V4PoolStorage):
@@ -41,7 +42,8 @@ class EmulatedPoolConfigurator(V4PoolConfigurator):
         mem_fraction_static: float,
     ):
         super().__init__(layout, max_running_requests, table_context)
-        self.rank = rank_ledger(layout.config, layout.kv_dtype, gpus, layout.verify_tokens)
+        attention_tp = settings().emulate_attention_tp
+        self.rank = rank_ledger(layout.config, layout.kv_dtype, gpus, layout.verify_tokens, attention_tp)
         self.mem_fraction_static = mem_fraction_static
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> MemoryPoolConfig:
@@ -49,6 +51,10 @@ class EmulatedPoolConfigurator(V4PoolConfigurator):
         return super().calculate_pool_sizes(int(self.rank.pool_bytes(self.mem_fraction_static)), page_size)
 
 
-def rank_ledger(config: DeepseekV4Config, kv_dtype: torch.dtype, gpus: int, verify_tokens: int = 0) -> RankLedger:
-    """One GPU of ``gpus``: one attention-DP rank a GPU, experts split over all, release (FP8/FP4) weights."""
-    return RankLedger(config, Parallelism(gpus, gpus, gpus), True, kv_dtype=kv_dtype, verify_tokens=verify_tokens)
+def rank_ledger(
+    config: DeepseekV4Config, kv_dtype: torch.dtype, gpus: int, verify_tokens: int = 0, attention_tp: int = 1
+) -> RankLedger:
+    """One GPU of ``gpus``, release (FP8/FP4) weights: one attention-DP rank a GPU and experts split over all
+    (``attention_tp`` 1), or one tensor-parallel group of all of them (``attention_tp == gpus``)."""
+    parallel = Parallelism(gpus, 1, 1) if attention_tp > 1 else Parallelism(gpus, gpus, gpus)
+    return RankLedger(config, parallel, True, kv_dtype=kv_dtype, verify_tokens=verify_tokens)

@@ -6,11 +6,14 @@ A forward is a batch of requests, each with its new tokens and the context they 
 * the attention layer of its kind (window, CSA, HCA) with its projections: **measured** on the H200
   by this project (``benchmarks/engine_step.py``: decode steps over a grid of batch x context;
   ``benchmarks/engine_prefill.py``: one 8K-token chunk at 64K context), interpolated
-  (:class:`DecodeAttention`, :class:`PrefillAttention`);
+  (:class:`MeasuredAttention`); or, for calibration against upstream SGLang, **upstream's kernels' roofline**
+  (:class:`RooflineAttention`, ``attention="flashmla"``: FP8 projections and FP8 KV at their bytes or FLOPs
+  floor with the efficiencies of :class:`Rooflines`);
 * mHC, the MoE gate and the shared expert: **measured** beside them (``benchmarks/whole_layer_step.py``),
   interpolated in the batch's tokens, and never below the shared expert's FP8 roofline;
-* the routed experts (FP4 weights, FP8 compute), the MoE's all-to-all and the sampler: **rooflines** with
-  the efficiencies of :class:`Rooflines` (SGLang's CUDA kernels there were never run by this project);
+* the routed experts (FP4 or FP8 weights, FP8 compute), the MoE's all-to-all (or a TP group's all-reduces) and
+  the sampler: **rooflines** with the efficiencies of :class:`Rooflines` (SGLang's CUDA kernels there were never
+  run by this project);
 
 plus the head, measured. The measured figures are package data (``h200_measurements.json``), extracted from the
 benchmark result files by :func:`extract_measurements` (``tests/test_emulation_timing.py`` checks they agree).
@@ -34,11 +37,17 @@ from importlib import resources
 from pathlib import Path
 
 from ..config import DeepseekV4Config
+from ..model.weight_layout import Parallelism, attention_tensors
 
 KINDS = ("window", "csa", "hca")
 MEASUREMENTS = "h200_measurements.json"
 DECODE_GRID_CONTEXTS = (8192, 131072)
 PREFILL_TOKENS, PREFILL_CONTEXT = 8192, 65536
+ATTENTION_MODELS = ("measured", "flashmla")
+EXPERT_BYTES_PER_WEIGHT = {"fp4": 0.5 + 1 / 32, "fp8": 1 + 4 / 128**2}  # values and their block scales
+# DeepSeek's FP8 KV layout (memory_pool.ledger.ReferenceLayout): an entry (448 FP8 values, 64 bf16 rope values and
+# scales) and an indexer key (128 FP8 values and a float32 scale).
+REFERENCE_ENTRY_BYTES, REFERENCE_INDEXER_KEY_BYTES = 584, 132
 
 
 @dataclass(frozen=True)
@@ -61,10 +70,15 @@ class ForwardShape:
 class Rooflines:
     """The H200's ceilings and the share of them SGLang's CUDA kernels are assumed to reach.
 
-    Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, FP8 dense 1,979/2 TFLOPS, NVLink 900 GB/s both
-    directions); the efficiencies are assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM
-    bandwidth when memory-bound and 50% of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one
-    direction of NVLink plus 25 us of latency per dispatch-and-combine, sampling 40 us a forward.
+    Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, NVLink 900 GB/s both directions); the FP8 figure,
+    989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), so 50% of it is a quarter of the
+    dense peak (calibration: RESULTS "Emulated CPG" finds the model too fast already); the efficiencies are
+    assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM bandwidth when memory-bound and 50%
+    of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one direction of NVLink plus 25 us of
+    latency per dispatch-and-combine (or per layer's two all-reduces under tensor parallelism), sampling 40 us a
+    forward. Upstream's attention layer (:class:`RooflineAttention`): its
+    bytes at 70% of HBM bandwidth (FlashMLA's decode reaches about 90% on its own; the layer's small FP8 GEMMs
+    less), its FLOPs at 50% of FP8 peak, plus 10 us a layer for its kernels' launch gaps in a CUDA graph.
     """
 
     hbm_bytes_per_s: float = 4.8e12
@@ -75,14 +89,52 @@ class Rooflines:
     all_to_all_efficiency: float = 0.4
     all_to_all_latency_s: float = 25e-6
     sampling_s: float = 40e-6
+    attention_bandwidth_efficiency: float = 0.7
+    attention_compute_efficiency: float = 0.5
+    attention_layer_latency_s: float = 10e-6
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """The GPUs a rank is one of: ``gpus`` attention-DP ranks of one GPU each, experts split over all of them."""
+    """The GPUs a rank is one of.
+
+    ``attention_tp`` 1 (the default): ``gpus`` attention-DP ranks of one GPU each, the routed experts split over
+    all of them (EP, an all-to-all a layer). ``attention_tp == gpus``: one tensor-parallel group (upstream's
+    low-latency recipes), every GPU holding 1/gpus of the attention's heads and of every expert, two all-reduces a
+    layer; a rank is then the group. ``experts``: the routed experts' weights, ``fp4`` as released or ``fp8`` as
+    upstream's H200 FP8 recipes load them. ``lockstep``: the attention-DP ranks run every forward together (each
+    layer's MoE all-to-all joins them), so the other ranks' extends stall this one's steps; with the ranks' loads
+    taken as equal, each extend of this rank stands for one of every rank, their time added to it (an upper
+    bound: this rank's own decode tokens in those steps are not counted).
+    """
 
     gpus: int = 8
     kv_dtype: str = "bf16"
+    attention_tp: int = 1
+    experts: str = "fp4"
+    lockstep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_tp not in (1, self.gpus):
+            raise ValueError(f"attention TP {self.attention_tp}: 1 (attention DP) or all {self.gpus} GPUs (TP)")
+        if self.experts not in EXPERT_BYTES_PER_WEIGHT:
+            raise ValueError(f"experts {self.experts!r}: one of {', '.join(EXPERT_BYTES_PER_WEIGHT)}")
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.attention_tp > 1
+
+    @property
+    def ranks(self) -> int:
+        """Attention-DP ranks."""
+        return self.gpus // self.attention_tp
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """SGLang's ``--tp/--ep-size/--attn-dp-size`` for this deployment."""
+        if self.tensor_parallel:
+            return Parallelism(self.gpus, 1, 1)
+        return Parallelism(self.gpus, self.gpus, self.gpus)
 
 
 @dataclass
@@ -137,6 +189,74 @@ class PrefillAttention:
         return max(chunk * tokens / PREFILL_TOKENS, self.decode.layer_us(kind, 1, context))
 
 
+class MeasuredAttention:
+    """One attention layer of a forward from this project's H200 measurements (attention DP: one GPU's whole
+    attention). A config's window layers take the HCA figures where none were measured (V4-Pro)."""
+
+    def __init__(self, data: dict, kv_dtype: str):
+        self.decode = DecodeAttention(data["decode_layer_us"][kv_dtype])
+        self.prefill = PrefillAttention(data["prefill_chunk_us"], self.decode)
+
+    def layer_us(self, kind: str, shape: ForwardShape) -> float:
+        kind = kind if kind in self.decode.kinds() else "hca"
+        if shape.is_decode:
+            return self.decode.layer_us(kind, shape.tokens, sum(shape.contexts) / len(shape.contexts))
+        return sum(self.prefill.layer_us(kind, n, c) for n, c in zip(shape.new_tokens, shape.contexts))
+
+
+class RooflineAttention:
+    """One attention layer of a forward as upstream's kernels (FlashMLA-class sparse attention, DeepGEMM FP8
+    projections) would run it at their roofline: the layer's FP8 weights on this GPU and every request's FP8 KV
+    it reads (window rows, CSA's top-k entries and all its indexer keys, all HCA entries) at the attention's
+    share of HBM bandwidth, or its FLOPs (projections, the attended entries over this GPU's heads, the indexer's
+    scores) at its share of FP8 peak, whichever is longer, plus a fixed launch cost per layer."""
+
+    def __init__(self, config: DeepseekV4Config, deployment: Deployment, rooflines: Rooflines):
+        self.config, self.rooflines = config, rooflines
+        self.heads = config.num_heads / deployment.attention_tp
+        parallel = deployment.parallelism
+        self.weight_bytes, self.weights = {}, {}
+        for kind in KINDS:
+            layer = next((i for i in range(config.num_layers) if config.layer_kind(i) == kind), None)
+            if layer is None:
+                continue
+            specs = attention_tensors(config, layer, quantized=True)
+            self.weight_bytes[kind] = sum(spec.bytes_on_rank(parallel, 2) for spec in specs)
+            self.weights[kind] = sum(math.prod(spec.local_shape(parallel)) for spec in specs)
+
+    def layer_us(self, kind: str, shape: ForwardShape) -> float:
+        roof = self.rooflines
+        read = self.weight_bytes[kind] + sum(self._kv_bytes(kind, c) for c in shape.contexts)
+        flops = 2 * self.weights[kind] * shape.tokens + sum(
+            n * self._flops_per_token(kind, c - n / 2) for n, c in zip(shape.new_tokens, shape.contexts)
+        )
+        seconds = max(
+            read / (roof.hbm_bytes_per_s * roof.attention_bandwidth_efficiency),
+            flops / (roof.fp8_flops_per_s * roof.attention_compute_efficiency),
+        )
+        return 1e6 * (roof.attention_layer_latency_s + seconds)
+
+    def _entries(self, kind: str, context: float) -> tuple[float, float]:
+        """KV entries a token at ``context`` attends to, and indexer keys it scores."""
+        config = self.config
+        window = min(context, config.sliding_window)
+        if kind == "csa":
+            return window + min(context / config.csa_rate, config.index_topk), context / config.csa_rate
+        if kind == "hca":
+            return window + context / config.hca_rate, 0.0
+        return window, 0.0
+
+    def _kv_bytes(self, kind: str, context: float) -> float:
+        entries, keys = self._entries(kind, context)
+        return entries * REFERENCE_ENTRY_BYTES + keys * REFERENCE_INDEXER_KEY_BYTES
+
+    def _flops_per_token(self, kind: str, context: float) -> float:
+        config = self.config
+        entries, keys = self._entries(kind, context)
+        attend = entries * self.heads * 2 * 2 * config.head_dim  # scores and values
+        return attend + keys * config.index_n_heads * config.index_head_dim * 2
+
+
 @dataclass(frozen=True)
 class LayerParts:
     """Measured per-layer parts besides attention (us, by batch tokens): mHC both sublayers, gate, shared expert,
@@ -163,12 +283,21 @@ class TimingModel:
         deployment: Deployment = Deployment(),
         rooflines: Rooflines = Rooflines(),
         measurements: dict | None = None,
+        attention: str = "measured",
     ):
-        """``model``: which measured model's figures (``flash`` or ``pro``)."""
+        """``model``: which measured model's figures (``flash`` or ``pro``); ``attention``: ``measured`` (this
+        project's kernels, attention DP only) or ``flashmla`` (upstream's kernels' roofline)."""
         data = (measurements or load_measurements())[model]
         self.config, self.deployment, self.rooflines = config, deployment, rooflines
-        self.decode = DecodeAttention(data["decode_layer_us"][deployment.kv_dtype])
-        self.prefill = PrefillAttention(data["prefill_chunk_us"], self.decode)
+        if attention == "measured":
+            if deployment.tensor_parallel:
+                raise ValueError("the measured attention is one GPU's whole attention: attention DP only")
+            self.attention = MeasuredAttention(data, deployment.kv_dtype)
+        elif attention == "flashmla":
+            self.attention = RooflineAttention(config, deployment, rooflines)
+        else:
+            raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTION_MODELS)}")
+        self.attention_model = attention
         self.parts = LayerParts({k: {int(b): v for b, v in p.items()} for k, p in data["layer_parts_us"].items()})
         kinds = [config.layer_kind(i) for i in range(config.num_layers)]
         self.layer_counts = {kind: kinds.count(kind) for kind in KINDS if kind in kinds}
@@ -177,53 +306,58 @@ class TimingModel:
         time = ForwardTime()
         if not shape.new_tokens:
             return time
-        tokens = shape.tokens
-        mean_context = sum(shape.contexts) / len(shape.contexts)
-        attention_us = 0.0
-        for kind, count in self.layer_counts.items():
-            measured_kind = kind if kind in self.decode.kinds() else "hca"
-            if shape.is_decode:
-                attention_us += count * self.decode.layer_us(measured_kind, tokens, mean_context)
-            else:
-                attention_us += count * sum(
-                    self.prefill.layer_us(measured_kind, n, c) for n, c in zip(shape.new_tokens, shape.contexts)
-                )
-        layers = self.config.num_layers
+        tokens, layers = shape.tokens, self.config.num_layers
+        attention_us = sum(count * self.attention.layer_us(kind, shape) for kind, count in self.layer_counts.items())
         time.parts["attention"] = attention_us * 1e-6
         time.parts["mhc_gate_shared"] = layers * self._dense_us(tokens) * 1e-6
         time.parts["routed_experts"] = layers * self._routed_experts_s(tokens)
         time.parts["all_to_all"] = layers * self._all_to_all_s(tokens)
-        time.parts["head"] = self.parts.us("head", len(shape.new_tokens)) * 1e-6
+        time.parts["head"] = self.parts.us("head", len(shape.new_tokens)) * 1e-6 / self.deployment.attention_tp
         time.parts["sampling"] = self.rooflines.sampling_s
+        if self.deployment.lockstep and not shape.is_decode:
+            time.parts["peer_extends"] = (self.deployment.ranks - 1) * sum(time.parts.values())
         return time
 
     def _dense_us(self, tokens: int) -> float:
-        measured = sum(self.parts.us(part, tokens) for part in ("mhc", "gate", "shared_expert"))
-        config = self.config
-        shared_flops = 2 * 3 * config.hidden_size * config.moe_intermediate_size * tokens  # one shared expert
-        return max(measured, 1e6 * shared_flops / (self.rooflines.fp8_flops_per_s * self.rooflines.expert_compute_efficiency))
+        """mHC and the gate as measured; the shared expert as measured (split over a TP group's GPUs), never below
+        its FP8 roofline."""
+        config, tp = self.config, self.deployment.attention_tp
+        mhc_gate = sum(self.parts.us(part, tokens) for part in ("mhc", "gate"))
+        shared_flops = 2 * 3 * config.hidden_size * config.moe_intermediate_size * tokens / tp  # one shared expert
+        shared_floor = 1e6 * shared_flops / (self.rooflines.fp8_flops_per_s * self.rooflines.expert_compute_efficiency)
+        return mhc_gate + max(self.parts.us("shared_expert", tokens) / tp, shared_floor)
 
     def _routed_experts_s(self, tokens: int) -> float:
-        """This rank's experts over the tokens every rank routes to them (the ranks' loads taken as equal)."""
-        config, roof, gpus = self.config, self.rooflines, self.deployment.gpus
-        assignments = tokens * config.num_experts_per_tok  # received from all ranks, equal loads
-        experts_here = config.n_routed_experts / gpus
-        touched = experts_here * (1 - (1 - 1 / config.n_routed_experts) ** (assignments * gpus))
+        """This GPU's share of the routed experts: under attention DP, its 1/N of the experts over the tokens every
+        rank routes to them (the ranks' loads taken as equal); under TP, 1/N of every expert the group's tokens
+        touch."""
+        config, roof, deployment = self.config, self.rooflines, self.deployment
+        gpus, experts = deployment.gpus, config.n_routed_experts
         weights_per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-        read_bytes = touched * weights_per_expert * (0.5 + 1 / 32)  # FP4 values and one scale byte per 32
-        flops = 2 * weights_per_expert * assignments
+        assignments = tokens * config.num_experts_per_tok
+        if deployment.tensor_parallel:
+            touched = experts * (1 - (1 - 1 / experts) ** assignments) / gpus
+            flops = 2 * weights_per_expert * assignments / gpus
+        else:  # received from all ranks, equal loads
+            touched = experts / gpus * (1 - (1 - 1 / experts) ** (assignments * gpus))
+            flops = 2 * weights_per_expert * assignments
+        read_bytes = touched * weights_per_expert * EXPERT_BYTES_PER_WEIGHT[deployment.experts]
         return max(
             read_bytes / (roof.hbm_bytes_per_s * roof.expert_bandwidth_efficiency),
             flops / (roof.fp8_flops_per_s * roof.expert_compute_efficiency),
         )
 
     def _all_to_all_s(self, tokens: int) -> float:
-        """Dispatch (FP8 hidden) and combine (bf16 hidden) of the assignments leaving the rank."""
+        """Attention DP: dispatch (FP8 hidden) and combine (bf16 hidden) of the assignments leaving the rank. TP:
+        two ring all-reduces (bf16 hidden) of the group's tokens."""
         config, roof, gpus = self.config, self.rooflines, self.deployment.gpus
         if gpus == 1:
             return 0.0
-        leaving = tokens * config.num_experts_per_tok * (gpus - 1) / gpus
-        moved = leaving * config.hidden_size * (1 + 2)
+        if self.deployment.tensor_parallel:
+            moved = 2 * tokens * config.hidden_size * 2 * 2 * (gpus - 1) / gpus
+        else:
+            leaving = tokens * config.num_experts_per_tok * (gpus - 1) / gpus
+            moved = leaving * config.hidden_size * (1 + 2)
         return roof.all_to_all_latency_s + moved / (roof.nvlink_bytes_per_s * roof.all_to_all_efficiency)
 
 

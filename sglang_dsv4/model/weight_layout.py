@@ -165,6 +165,11 @@ def checkpoint_tensors(config: DeepseekV4Config, *, quantized: bool) -> list[Ten
     return specs
 
 
+def attention_tensors(config: DeepseekV4Config, layer: int, *, quantized: bool) -> list[TensorSpec]:
+    """Layer ``layer``'s attention tensors (its norm, projections, compressors and indexer)."""
+    return _attention(config, layer, Format.FP8 if quantized else Format.MODEL)
+
+
 def _block(config: DeepseekV4Config, layer: int, dense: Format, experts: Format) -> list[TensorSpec]:
     prefix = config.layer_name(layer)
     return [

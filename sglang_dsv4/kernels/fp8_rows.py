@@ -30,8 +30,7 @@ def _e4m3_value(codes):
 
 @triton.jit
 def fp8_entry_rows(
-    rows_ptr, rows, valid,
-    HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+    row_starts, valid, HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr
 ):  # fmt: skip
     """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes, ``ROW_BYTES`` apart): ``e4m3 * 2**(scale
     byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope channels. Exact.
@@ -44,7 +43,7 @@ def fp8_entry_rows(
     block = tl.arange(0, BLOCKS)[None, :, None]
     within = tl.arange(0, WIDTH)[None, None, :]
     columns = block * WIDTH + within
-    row_bytes = rows_ptr + rows[:, None, None] * ROW_BYTES
+    row_bytes = row_starts[:, None, None]
     ok = valid[:, None, None]
     fp8 = tl.load(row_bytes + columns, mask=ok & (columns < NOPE_DIM), other=0)
     exponents = tl.load(row_bytes + SCALE_OFFSET + block, mask=ok & (block * WIDTH < NOPE_DIM), other=127)
@@ -52,7 +51,7 @@ def fp8_entry_rows(
     rope_values = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.bfloat16)) + rope_column
     rope = tl.load(rope_values, mask=ok & (rope_column >= 0), other=0.0).to(tl.float32)
     values = tl.where(columns < NOPE_DIM, _e4m3_value(fp8) * _power_of_two(exponents.to(tl.int32)), rope)
-    return tl.reshape(values, (rows.shape[0], HEAD_DIM))
+    return tl.reshape(values, (row_starts.shape[0], HEAD_DIM))
 
 
 @triton.jit

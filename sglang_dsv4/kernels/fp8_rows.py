@@ -3,11 +3,12 @@
 The kernels load a row's bytes and rebuild its values exactly (an E4M3 value times a power of two, a bf16
 value). An E4M3 byte is bit-cast to ``tl.float8e4nv`` and converted to float32 (the hardware conversion on
 CUDA; Triton's interpreter converts every finite code alike, and the format never stores the NaN codes 0x7f /
-0xff). A row's stride is a constexpr (``ROW_BYTES``, the format's row size: the pools' rows are contiguous), so
-the compiler knows each row's alignment (8 bytes for V4's 584-byte entries, 16 for the pools' 144-byte keys, 4
-for the reference's 132-byte ones) and loads a row's bytes in words that wide rather than one at a time. A row's scales are loaded once each, not once per value (the
-row read as ``[rows, blocks, block]``); an entry's rope values through a bf16 pointer, a key's scales through a
-float32 one.
+0xff). The compiler must know each row's alignment (8 bytes for V4's 584-byte entries, 16 for the pools' 144-byte
+keys, 4 for the reference's 132-byte ones) to load a row's bytes in words that wide rather than one at a time: a
+key row's start is computed here from a constexpr stride (``ROW_BYTES``, the format's row size: the pools' rows
+are contiguous); an entry row's start is the caller's, which computes it alike or states its alignment
+(``tl.multiple_of``). A row's scales are loaded once each, not once per value (the row read as ``[rows, blocks,
+block]``); an entry's rope values through a bf16 pointer, a key's scales through a float32 one.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def _e4m3_value(codes):
 def fp8_entry_rows(
     row_starts, valid, HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr
 ):  # fmt: skip
-    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes, ``ROW_BYTES`` apart): ``e4m3 * 2**(scale
-    byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope channels. Exact.
+    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (``row_starts [BLOCK_N]``: each row's first byte):
+    ``e4m3 * 2**(scale byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope
+    channels. Exact.
 
     Read as ``[BLOCK_N, blocks, 64]`` (one scale a block, loaded once): the FP8 bytes, each row's scale bytes, and
     its rope values, which lie in the last block (``rope_dim <= 64``, as the attention's wrapper checks)."""

@@ -109,7 +109,7 @@ def sparse_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32"
     window_fp8, compressed_fp8 = (isinstance(part.row_format, Fp8EntryRows) for part in (window, compressed))
     fp8_rows = _fp8_format(window, compressed) or Fp8EntryRows(head_dim, 0)  # its offsets unused
-    compressed_start = _elements_between(window.pool, compressed.pool)
+    compressed_start, row_alignment = _fp8_rows_start(window, compressed)
     # Head blocks vary fastest, so the programs sharing a row's entries run together and meet them in the L2.
     _sparse_attention_kernel[(head_blocks, rows, splits)](
         q, q.stride(0), q.stride(1),
@@ -124,7 +124,7 @@ def sparse_decode_attention(
         DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
         WINDOW_FP8=window_fp8, COMPRESSED_FP8=compressed_fp8, NOPE_DIM=fp8_rows.nope_dim,
         SCALE_OFFSET=fp8_rows.scale_offset, ROW_BYTES=fp8_rows.row_bytes,
-        ROW_ALIGNMENT=_row_alignment(window.pool, compressed.pool, compressed_start),
+        ROW_ALIGNMENT=row_alignment,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -233,23 +233,18 @@ def _check_inputs(
             raise ValueError(f"{name} lengths must be int32 [{rows}]")
 
 
-def _elements_between(window: torch.Tensor, compressed: torch.Tensor) -> int:
-    """Where ``compressed`` starts, in ``window``'s elements from ``window``'s start (0 where their dtypes differ):
-    where both pools store their rows alike, the kernel reads both through ``window``'s pointer, in one pass."""
-    if window.dtype != compressed.dtype:
-        return 0
-    return (compressed.data_ptr() - window.data_ptr()) // window.element_size()
+def _fp8_rows_start(window: KVSelection, compressed: KVSelection) -> tuple[int, int]:
+    """Where the compressed pool's FP8 rows start, in bytes after the window pool's, and the largest power of two
+    (at most 16) that divides every row's start counted from there, where both pools hold FP8 rows (else 0, 1).
 
-
-def _row_alignment(window: torch.Tensor, compressed: torch.Tensor, compressed_start: int) -> int:
-    """The largest power of two, at most 16 bytes' worth, that divides every row's start in ``window``'s elements
-    from ``window``'s start, where one pass reads both pools (else 1): the kernel tells the compiler, which loses
-    the rows' alignment where a tile picks each row's start from one of two pools (and then loads the rows a value
-    at a time, and keeps them out of the pipelined copies)."""
-    if window.dtype != compressed.dtype:
-        return 1
-    widest = max(1, 16 // window.element_size())
-    return math.gcd(window.stride(0), compressed.stride(0), compressed_start, widest)
+    The kernel reads both pools' rows in one pass through the window pool's pointer and tells the compiler the
+    rows' alignment, which it loses where a tile picks each row's pool (and then loads the rows a byte at a time,
+    outside the pipelined copies)."""
+    formats = {type(part.row_format) for part in (window, compressed)}
+    if formats != {Fp8EntryRows}:
+        return 0, 1
+    start = compressed.pool.data_ptr() - window.pool.data_ptr()
+    return start, math.gcd(window.pool.stride(0), compressed.pool.stride(0), start, 16)
 
 
 def _fp8_format(window: KVSelection, compressed: KVSelection) -> Fp8EntryRows | None:
@@ -271,29 +266,35 @@ def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[i
 
 @triton.jit
 def _attend_entries(
-    q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, compressed_start, compressed_kv_stride,
-    compressed_index, n_window, start, end, scale_log2,
+    q, m_i, l_i, acc, pool, row_stride, index, compressed_start, compressed_index, n_window, start, end, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     FP8_ROWS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
-    ROW_ALIGNMENT: tl.constexpr,
+    BOTH_POOLS: tl.constexpr, ROW_ALIGNMENT: tl.constexpr,
 ):  # fmt: skip
     """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits).
 
-    The list is the window's rows, then the compressed pool's: slot ``s < n_window`` is the window's index ``s``,
-    a later one the compressed pool's index ``s - n_window``; a tile may hold rows of both pools, which store their
-    rows alike. With ``FP8_ROWS`` the rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`, ``ROW_BYTES``
-    apart), dequantized here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value)."""
+    Slot ``s`` is the row ``index[s]`` of the pool at ``pool`` (rows ``row_stride`` elements apart). With
+    ``FP8_ROWS`` the rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`, ``ROW_BYTES`` apart),
+    dequantized here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value). With
+    ``BOTH_POOLS`` (FP8 rows in both) the list is the window's rows, then the compressed pool's: a slot ``s >=
+    n_window`` is the compressed pool's row ``compressed_index[s - n_window]``, that pool starting
+    ``compressed_start`` bytes after ``pool``; a tile may hold rows of both, and every row starts a multiple of
+    ``ROW_ALIGNMENT`` bytes after ``pool``."""
     columns = tl.arange(0, HEAD_DIM)
     for first in range(start, end, BLOCK_N):
         slots = first + tl.arange(0, BLOCK_N)
         valid = slots < end
-        in_window = slots < n_window
-        window_rows = tl.load(window_index + slots, mask=valid & in_window, other=0).to(tl.int64)
-        compressed_rows = tl.load(compressed_index + (slots - n_window), mask=valid & ~in_window, other=0)
-        compressed_rows = compressed_rows.to(tl.int64)
-        window_at = window_rows * (ROW_BYTES if FP8_ROWS else window_kv_stride)
-        compressed_at = compressed_start + compressed_rows * (ROW_BYTES if FP8_ROWS else compressed_kv_stride)
-        row_starts = window_kv + tl.multiple_of(tl.where(in_window, window_at, compressed_at), ROW_ALIGNMENT)
+        if BOTH_POOLS:
+            in_window = slots < n_window
+            rows = tl.load(index + slots, mask=valid & in_window, other=0).to(tl.int64)
+            compressed_rows = tl.load(compressed_index + (slots - n_window), mask=valid & ~in_window, other=0)
+            offsets = tl.where(in_window, rows, compressed_rows.to(tl.int64)) * ROW_BYTES
+            offsets = tl.where(in_window, offsets, compressed_start + offsets)
+            # The compiler loses the rows' alignment through the choice of pool (and then loads a byte at a time).
+            row_starts = pool + tl.multiple_of(offsets, ROW_ALIGNMENT)
+        else:
+            rows = tl.load(index + slots, mask=valid, other=0).to(tl.int64)
+            row_starts = pool + rows * (ROW_BYTES if FP8_ROWS else row_stride)
         if FP8_ROWS:
             kv = fp8_entry_rows(row_starts, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET).to(q.dtype)
         else:
@@ -363,24 +364,24 @@ def _sparse_attention_kernel(
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     window_index += row * window_index_stride
     compressed_index += row * compressed_index_stride
-    # One pass over the list where both pools store their rows alike (two inlined passes spill registers: over FP8
-    # rows at V4's dims, 1,528 B a thread against 168); else a pass over each pool's part, its pool given as both.
-    if WINDOW_FP8 == COMPRESSED_FP8:
+    # One pass over the list where both pools hold FP8 rows (two inlined passes spill registers: at V4's dims 1,528
+    # B a thread against 168); else a pass over each pool's part (over bf16 rows, one pass was slower).
+    if WINDOW_FP8 and COMPRESSED_FP8:
         m_i, l_i, acc = _attend_entries(
-            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, compressed_start, compressed_kv_stride,
-            compressed_index, n_window, start, end, scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
-            WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, ROW_ALIGNMENT,
+            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, compressed_start, compressed_index,
+            n_window, start, end, scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+            True, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, True, ROW_ALIGNMENT,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_entries(
-            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, 0, window_kv_stride, window_index, end,
+            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, 0, window_index, 0,
             start, tl.minimum(end, n_window), scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
-            WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, 1,
+            WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, False, 1,
         )  # fmt: skip
         m_i, l_i, acc = _attend_entries(
-            q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index, 0, compressed_kv_stride,
-            compressed_index, 0, tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
-            HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, 1,
+            q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index, 0, compressed_index, 0,
+            tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
+            HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, False, 1,
         )  # fmt: skip
     if SPLITS == 1:
         _store_with_inverse_rope(

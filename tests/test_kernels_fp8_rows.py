@@ -40,7 +40,7 @@ if IN_INTERPRETER or ON_GPU:  # Triton is imported only where its kernels run (s
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = rows < count
         if ENTRIES:
-            values = fp8_entry_rows(rows_ptr, rows.to(tl.int64), valid, DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES)
+            values = fp8_entry_rows(rows_ptr + rows.to(tl.int64) * ROW_BYTES, valid, DIM, NOPE_DIM, SCALE_OFFSET)
         else:
             codes, scales = fp8_key_rows(rows_ptr, rows.to(tl.int64), valid, DIM, SCALE_OFFSET, ROW_BYTES, tl.float32)
             values = codes * scales[:, None]

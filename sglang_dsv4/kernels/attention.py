@@ -109,12 +109,13 @@ def sparse_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32"
     window_fp8, compressed_fp8 = (isinstance(part.row_format, Fp8EntryRows) for part in (window, compressed))
     fp8_rows = _fp8_format(window, compressed) or Fp8EntryRows(head_dim, 0)  # its offsets unused
+    compressed_start, row_alignment = _fp8_rows_start(window, compressed)
     # Head blocks vary fastest, so the programs sharing a row's entries run together and meet them in the L2.
     _sparse_attention_kernel[(head_blocks, rows, splits)](
         q, q.stride(0), q.stride(1),
         window.pool, window.pool.stride(0), window.indices, window.indices.stride(0), window.lengths,
-        compressed.pool, compressed.pool.stride(0), compressed.indices, compressed.indices.stride(0),
-        compressed.lengths,
+        compressed.pool, compressed_start, compressed.pool.stride(0), compressed.indices,
+        compressed.indices.stride(0), compressed.lengths,
         sink, cos, sin, cos.stride(0),
         out, out.stride(0), out.stride(1),
         partial_acc, partial_stats,
@@ -123,6 +124,7 @@ def sparse_decode_attention(
         DOT_PRECISION=precision, UPCAST_DOT=INTERPRETED,
         WINDOW_FP8=window_fp8, COMPRESSED_FP8=compressed_fp8, NOPE_DIM=fp8_rows.nope_dim,
         SCALE_OFFSET=fp8_rows.scale_offset, ROW_BYTES=fp8_rows.row_bytes,
+        ROW_ALIGNMENT=row_alignment,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -231,6 +233,20 @@ def _check_inputs(
             raise ValueError(f"{name} lengths must be int32 [{rows}]")
 
 
+def _fp8_rows_start(window: KVSelection, compressed: KVSelection) -> tuple[int, int]:
+    """Where the compressed pool's FP8 rows start, in bytes after the window pool's, and the largest power of two
+    (at most 16) that divides every row's start counted from there, where both pools hold FP8 rows (else 0, 1).
+
+    The kernel reads both pools' rows in one pass through the window pool's pointer and tells the compiler the
+    rows' alignment, which it loses where a tile picks each row's pool (and then loads the rows a byte at a time,
+    outside the pipelined copies)."""
+    formats = {type(part.row_format) for part in (window, compressed)}
+    if formats != {Fp8EntryRows}:
+        return 0, 1
+    start = compressed.pool.data_ptr() - window.pool.data_ptr()
+    return start, math.gcd(window.pool.stride(0), compressed.pool.stride(0), start, 16)
+
+
 def _fp8_format(window: KVSelection, compressed: KVSelection) -> Fp8EntryRows | None:
     """The FP8 entry rows either pool stores (both the same where both do), or None."""
     return next((p.row_format for p in (window, compressed) if isinstance(p.row_format, Fp8EntryRows)), None)
@@ -250,23 +266,39 @@ def _stored_row(part: KVSelection, head_dim: int, dtype: torch.dtype) -> tuple[i
 
 @triton.jit
 def _attend_entries(
-    q, m_i, l_i, acc, kv_ptr, kv_row_stride, index_ptr, start, end, scale_log2,
+    q, m_i, l_i, acc, pool, row_stride, index, compressed_start, compressed_index, n_window, start, end, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     FP8_ROWS: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+    BOTH_POOLS: tl.constexpr, ROW_ALIGNMENT: tl.constexpr,
 ):  # fmt: skip
     """Fold list slots ``start .. end - 1`` into the online softmax state ``(m_i, l_i, acc)`` (base-2 logits).
 
-    With ``FP8_ROWS`` the pool's rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`), dequantized
-    here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value)."""
+    Slot ``s`` is the row ``index[s]`` of the pool at ``pool`` (rows ``row_stride`` elements apart). With
+    ``FP8_ROWS`` the rows are DeepSeek's FP8 rows (:class:`~.kv_format.Fp8EntryRows`, ``ROW_BYTES`` apart),
+    dequantized here into ``q``'s dtype (exactly: an E4M3 value times a power of two, a bf16 value). With
+    ``BOTH_POOLS`` (FP8 rows in both) the list is the window's rows, then the compressed pool's: a slot ``s >=
+    n_window`` is the compressed pool's row ``compressed_index[s - n_window]``, that pool starting
+    ``compressed_start`` bytes after ``pool``; a tile may hold rows of both, and every row starts a multiple of
+    ``ROW_ALIGNMENT`` bytes after ``pool``."""
     columns = tl.arange(0, HEAD_DIM)
     for first in range(start, end, BLOCK_N):
         slots = first + tl.arange(0, BLOCK_N)
         valid = slots < end
-        rows = tl.load(index_ptr + slots, mask=valid, other=0).to(tl.int64)
-        if FP8_ROWS:
-            kv = fp8_entry_rows(kv_ptr, rows, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET, ROW_BYTES).to(q.dtype)
+        if BOTH_POOLS:
+            in_window = slots < n_window
+            rows = tl.load(index + slots, mask=valid & in_window, other=0).to(tl.int64)
+            compressed_rows = tl.load(compressed_index + (slots - n_window), mask=valid & ~in_window, other=0)
+            offsets = tl.where(in_window, rows, compressed_rows.to(tl.int64)) * ROW_BYTES
+            offsets = tl.where(in_window, offsets, compressed_start + offsets)
+            # The compiler loses the rows' alignment through the choice of pool (and then loads a byte at a time).
+            row_starts = pool + tl.multiple_of(offsets, ROW_ALIGNMENT)
         else:
-            kv = tl.load(kv_ptr + rows[:, None] * kv_row_stride + columns[None, :], mask=valid[:, None], other=0.0)
+            rows = tl.load(index + slots, mask=valid, other=0).to(tl.int64)
+            row_starts = pool + rows * (ROW_BYTES if FP8_ROWS else row_stride)
+        if FP8_ROWS:
+            kv = fp8_entry_rows(row_starts, valid, HEAD_DIM, NOPE_DIM, SCALE_OFFSET).to(q.dtype)
+        else:
+            kv = tl.load(row_starts[:, None] + columns[None, :], mask=valid[:, None], other=0.0)
         logits = dot(q, tl.trans(kv), DOT_PRECISION, UPCAST_DOT) * scale_log2
         logits = tl.where(valid[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -302,15 +334,15 @@ def _store_with_inverse_rope(
 def _sparse_attention_kernel(
     q_ptr, q_row_stride, q_head_stride,
     window_kv, window_kv_stride, window_index, window_index_stride, window_lengths,
-    compressed_kv, compressed_kv_stride, compressed_index, compressed_index_stride, compressed_lengths,
-    sink_ptr, cos_ptr, sin_ptr, rope_row_stride,
+    compressed_kv, compressed_start, compressed_kv_stride, compressed_index, compressed_index_stride,
+    compressed_lengths, sink_ptr, cos_ptr, sin_ptr, rope_row_stride,
     out_ptr, out_row_stride, out_head_stride,
     partial_acc, partial_stats,
     num_heads, scale_log2,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     WINDOW_FP8: tl.constexpr, COMPRESSED_FP8: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    ROW_BYTES: tl.constexpr, ROW_ALIGNMENT: tl.constexpr,
 ):  # fmt: skip
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
@@ -330,16 +362,27 @@ def _sparse_attention_kernel(
     m_i = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
-    m_i, l_i, acc = _attend_entries(
-        q, m_i, l_i, acc, window_kv, window_kv_stride, window_index + row * window_index_stride,
-        start, tl.minimum(end, n_window), scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
-        WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
-    )  # fmt: skip
-    m_i, l_i, acc = _attend_entries(
-        q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index + row * compressed_index_stride,
-        tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
-        HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES,
-    )  # fmt: skip
+    window_index += row * window_index_stride
+    compressed_index += row * compressed_index_stride
+    # One pass over the list where both pools hold FP8 rows (two inlined passes spill registers: at V4's dims 1,528
+    # B a thread against 168); else a pass over each pool's part (over bf16 rows, one pass was slower).
+    if WINDOW_FP8 and COMPRESSED_FP8:
+        m_i, l_i, acc = _attend_entries(
+            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, compressed_start, compressed_index,
+            n_window, start, end, scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+            True, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, True, ROW_ALIGNMENT,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_entries(
+            q, m_i, l_i, acc, window_kv, window_kv_stride, window_index, 0, window_index, 0,
+            start, tl.minimum(end, n_window), scale_log2, HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+            WINDOW_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, False, 1,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_entries(
+            q, m_i, l_i, acc, compressed_kv, compressed_kv_stride, compressed_index, 0, compressed_index, 0,
+            tl.maximum(start - n_window, 0), tl.maximum(end - n_window, 0), scale_log2,
+            HEAD_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, COMPRESSED_FP8, NOPE_DIM, SCALE_OFFSET, ROW_BYTES, False, 1,
+        )  # fmt: skip
     if SPLITS == 1:
         _store_with_inverse_rope(
             acc / l_i[:, None], out_ptr, out_row_stride, out_head_stride, row, heads, head_ok,

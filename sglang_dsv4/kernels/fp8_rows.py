@@ -3,11 +3,12 @@
 The kernels load a row's bytes and rebuild its values exactly (an E4M3 value times a power of two, a bf16
 value). An E4M3 byte is bit-cast to ``tl.float8e4nv`` and converted to float32 (the hardware conversion on
 CUDA; Triton's interpreter converts every finite code alike, and the format never stores the NaN codes 0x7f /
-0xff). A row's stride is a constexpr (``ROW_BYTES``, the format's row size: the pools' rows are contiguous), so
-the compiler knows each row's alignment (8 bytes for V4's 584-byte entries, 16 for the pools' 144-byte keys, 4
-for the reference's 132-byte ones) and loads a row's bytes in words that wide rather than one at a time. A row's scales are loaded once each, not once per value (the
-row read as ``[rows, blocks, block]``); an entry's rope values through a bf16 pointer, a key's scales through a
-float32 one.
+0xff). The compiler must know each row's alignment (8 bytes for V4's 584-byte entries, 16 for the pools' 144-byte
+keys, 4 for the reference's 132-byte ones) to load a row's bytes in words that wide rather than one at a time: a
+key row's start is computed here from a constexpr stride (``ROW_BYTES``, the format's row size: the pools' rows
+are contiguous); an entry row's start is the caller's, which computes it alike or states its alignment
+(``tl.multiple_of``). A row's scales are loaded once each, not once per value (the row read as ``[rows, blocks,
+block]``); an entry's rope values through a bf16 pointer, a key's scales through a float32 one.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def _e4m3_value(codes):
 
 @triton.jit
 def fp8_entry_rows(
-    rows_ptr, rows, valid,
-    HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+    row_starts, valid, HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_OFFSET: tl.constexpr
 ):  # fmt: skip
-    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (bytes, ``ROW_BYTES`` apart): ``e4m3 * 2**(scale
-    byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope channels. Exact.
+    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 of FP8 entry rows (``row_starts [BLOCK_N]``: each row's first byte):
+    ``e4m3 * 2**(scale byte - 127)`` for the nope channels (one scale byte per 64), the bf16 values for the rope
+    channels. Exact.
 
     Read as ``[BLOCK_N, blocks, 64]`` (one scale a block, loaded once): the FP8 bytes, each row's scale bytes, and
     its rope values, which lie in the last block (``rope_dim <= 64``, as the attention's wrapper checks)."""
@@ -44,7 +45,7 @@ def fp8_entry_rows(
     block = tl.arange(0, BLOCKS)[None, :, None]
     within = tl.arange(0, WIDTH)[None, None, :]
     columns = block * WIDTH + within
-    row_bytes = rows_ptr + rows[:, None, None] * ROW_BYTES
+    row_bytes = row_starts[:, None, None]
     ok = valid[:, None, None]
     fp8 = tl.load(row_bytes + columns, mask=ok & (columns < NOPE_DIM), other=0)
     exponents = tl.load(row_bytes + SCALE_OFFSET + block, mask=ok & (block * WIDTH < NOPE_DIM), other=127)
@@ -52,7 +53,7 @@ def fp8_entry_rows(
     rope_values = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.bfloat16)) + rope_column
     rope = tl.load(rope_values, mask=ok & (rope_column >= 0), other=0.0).to(tl.float32)
     values = tl.where(columns < NOPE_DIM, _e4m3_value(fp8) * _power_of_two(exponents.to(tl.int32)), rope)
-    return tl.reshape(values, (rows.shape[0], HEAD_DIM))
+    return tl.reshape(values, (row_starts.shape[0], HEAD_DIM))
 
 
 @triton.jit

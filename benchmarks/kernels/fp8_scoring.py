@@ -18,6 +18,7 @@ FP8 outputs checked against the shipped kernel. One JSON line a case.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def _stage_kernel(
         tl.store(scores_ptr + row * scores_row_stride + slots, scores, mask=slots < width)
 
 
-def inputs(batch: int, fp8: bool, row_bytes: int = 132):
+def inputs(batch: int, fp8: bool, row_bytes: int = 132, sequential: bool = False):
     config = named_config("flash")
     heads, dim, width = config.index_n_heads, config.index_head_dim, CONTEXT // 4
     generator = torch.Generator(device=DEVICE).manual_seed(batch)
@@ -87,7 +88,10 @@ def inputs(batch: int, fp8: bool, row_bytes: int = 132):
     keys = row_format.encode(values) if fp8 else values.to(torch.bfloat16)
     if fp8 and row_bytes > keys.shape[1]:  # rows padded to a 16-byte multiple (a layout not shipped)
         keys = torch.nn.functional.pad(keys, (0, row_bytes - keys.shape[1])).contiguous()
-    table = (1 + torch.randperm(batch * width, device=DEVICE, generator=generator).int()).view(batch, width)
+    order = torch.randperm(batch * width, device=DEVICE, generator=generator)
+    if sequential:  # a request's keys in pool order (as pages hold them), not scattered
+        order = torch.arange(batch * width, device=DEVICE)
+    table = (1 + order.int()).view(batch, width)
     lengths = torch.full((batch,), width, dtype=torch.int32, device=DEVICE)
     return q, weights, keys, table, lengths, row_format
 
@@ -101,11 +105,15 @@ def shipped(
     tiles: int = 4,
     row_bytes: int = 132,
     fp16: bool | None = None,
+    sequential: bool = False,
+    maxnreg: int | None = None,
 ):
-    q, weights, keys, table, lengths, row_format = inputs(batch, fp8, row_bytes)
+    q, weights, keys, table, lengths, row_format = inputs(batch, fp8, row_bytes, sequential)
     width = table.shape[1]
     scores = torch.empty(batch, width, device=DEVICE)
     extra = {} if stages is None else {"num_stages": stages}
+    if maxnreg:
+        extra["maxnreg"] = maxnreg
 
     def run():
         indexer._index_scores_kernel[(batch, triton.cdiv(width, block_keys * tiles))](
@@ -121,8 +129,20 @@ def shipped(
     return run, batch * width * (keys.shape[1] * keys.element_size() + 8)
 
 
-def staged(batch: int, mode: int, stages: int | None = None, row_bytes: int = 132):
-    q, weights, keys, table, lengths, row_format = inputs(batch, True, row_bytes)
+def torch_scores(batch: int) -> torch.Tensor:
+    """:func:`indexer.index_scores_reference` over the decoded FP8 keys of :func:`inputs` (float32)."""
+    q, weights, keys, table, lengths, row_format = inputs(batch, True)
+    return indexer.index_scores_reference(q, weights, row_format.decode(keys, torch.float32), lengths, scale=0.1,
+                                          table=table)  # fmt: skip
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    finite = torch.isfinite(expected)
+    return ((out[finite] - expected[finite]).norm() / expected[finite].norm()).item()
+
+
+def staged(batch: int, mode: int, stages: int | None = None, row_bytes: int = 132, sequential: bool = False):
+    q, weights, keys, table, lengths, row_format = inputs(batch, True, row_bytes, sequential)
     width = table.shape[1]
     scores = torch.empty(batch, width, device=DEVICE)
     extra = {} if stages is None else {"num_stages": stages}
@@ -145,10 +165,13 @@ def main() -> None:
     parser.add_argument("--stages-dropped", action="store_true", help="also the stage-dropping copies")
     parser.add_argument("--padded", action="store_true", help="only FP8 key rows padded to 144 B against 132 B")
     parser.add_argument("--operands", action="store_true", help="only FP8 keys against bf16 or fp16 operands")
+    parser.add_argument("--tag", default="", help="which tree's kernel this is (--sweep)")
+    parser.add_argument("--sweep", action="store_true", help="only the FP8 kernel's tiles, warps and register caps")
+    parser.add_argument("--tables", action="store_true", help="only keys read through random against in-order tables")
     args = parser.parse_args()
     if args.ncu:
-        for fp8 in (False, True):
-            run, _ = shipped(256, fp8, None)
+        for fp8 in (False, True):  # as index_scores launches them
+            run, _ = shipped(256, fp8, indexer.FP8_KEYS_LAUNCH["num_stages"] if fp8 else None)
             run()
         torch.cuda.synchronize()
         return
@@ -162,8 +185,48 @@ def main() -> None:
         print(json.dumps(case), flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "fp8_scoring.json").write_text(json.dumps(lines, indent=1))
+            (args.out / f"fp8_scoring{args.tag}.json").write_text(json.dumps(lines, indent=1))
 
+    if args.sweep:
+        fp8_stages = indexer.FP8_KEYS_LAUNCH["num_stages"]
+        for batch in (64, 256):
+            reference, _ = shipped(batch, True, fp8_stages)
+            expected = reference().clone()
+            oracle = torch_scores(batch) if batch == 64 else None
+            for fp8, warps, block_keys, tiles, maxnreg in [
+                (False, 4, 128, 4, None), (True, 4, 128, 4, None), (True, 4, 128, 8, None), (True, 4, 64, 8, None),
+                (True, 4, 64, 16, None), (True, 4, 128, 4, 168), (True, 8, 128, 4, None),
+            ]:  # fmt: skip
+                run, moved = shipped(batch, fp8, fp8_stages if fp8 else None, warps, block_keys, tiles, 144,
+                                     maxnreg=maxnreg)  # fmt: skip
+                floor = moved / ceilings["copy_tbps"] / 1e6
+                try:
+                    out = run()
+                    error = ((out - expected).norm() / expected.norm()).item() if fp8 else None
+                    us = timer.graph_us(run)
+                except Exception as failure:  # noqa: BLE001 - a shape that does not compile reports why
+                    record({"tag": args.tag, "batch": batch, "tiles": tiles, "error": repr(failure)[:200]})
+                    continue
+                record({"tag": args.tag, "batch": batch, "fp8": fp8, "warps": warps, "block_keys": block_keys,
+                        "tiles": tiles, "maxnreg": maxnreg, "us": us, "floor_us": floor, "of_floor": floor / us,
+                        "error_vs_shipped_shape": error,
+                        "error_vs_torch": None if oracle is None or not fp8 else relative_error(out, oracle)})  # fmt: skip
+        return
+    if args.tables:
+        for batch in (64, 256):
+            for kernel, sequential in itertools.product(("bf16", "fp8", "fp8_stages2", "bytes"), (False, True)):
+                if kernel == "bytes":
+                    run, moved = staged(batch, 0, 1, sequential=sequential), None
+                    moved = batch * (CONTEXT // 4) * (Fp8KeyRows(128).row_bytes + 8)
+                else:
+                    stages = {"fp8": indexer.FP8_KEYS_LAUNCH["num_stages"], "fp8_stages2": 2}.get(kernel)
+                    run, moved = shipped(batch, kernel != "bf16", stages, sequential=sequential)
+                floor = moved / ceilings["copy_tbps"] / 1e6
+                run()
+                us = timer.graph_us(run)
+                record({"kernel": kernel, "batch": batch, "table": "in_order" if sequential else "random", "us": us,
+                        "floor_us": floor, "of_floor": floor / us})  # fmt: skip
+        return
     if args.operands:
         for batch in (64, 256):
             reference, _ = shipped(batch, True, 1, fp16=False)

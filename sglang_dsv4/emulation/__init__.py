@@ -10,6 +10,7 @@ request tables, cache manager) except the network's arithmetic: the model has no
 
 from __future__ import annotations
 
+import os
 import resource
 from typing import Any
 
@@ -42,7 +43,8 @@ def check_emulation(view: Any) -> None:
 
 def emulation_report(scheduler: Any) -> dict:
     """This rank's emulation: the deployment, the timing model's kind counts, the ledger's capacity as allocated,
-    the device's occupancy so far, and the rank's resident memory on this host (its peak RSS)."""
+    the device's occupancy so far, the rank's resident memory on this host (its peak RSS) and its process id (for a
+    profiler)."""
     from .device import device
 
     model = scheduler.tp_worker.model_runner.model
@@ -63,4 +65,5 @@ def emulation_report(scheduler: Any) -> dict:
         },
         "device_time": device().report(),
         "resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "pid": os.getpid(),
     }

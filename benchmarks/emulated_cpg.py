@@ -20,7 +20,7 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
 
     python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
         [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
-        [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles]
+        [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like]
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ class WindowedServer(ChatServer):
         if sampler is not None:
             await asyncio.to_thread(sampler.wait)
         self.windows.append(window_figures(start["device_time"], end["device_time"]))
+        if self.profile is not None:  # kept beside the samples as it comes, should the run break off
+            (self.profile / f"{self.name}_{trial}.window.json").write_text(json.dumps(self.windows[-1]))
 
     async def _device(self) -> dict:
         async with self.session.get(f"{self.url}/server_info") as reply:
@@ -102,17 +104,20 @@ class WindowedServer(ChatServer):
 
 def window_figures(start: dict, end: dict) -> dict[str, float]:
     """The device and the scheduler's thread between two readings: occupancy over the rank's clock, host CPU per
-    forward (this host's and scaled), this host's contention and the wall's lag behind the rank's clock."""
+    forward (this host's and scaled; the allocator's free-list work, a GPU's, apart), this host's contention and
+    the wall's lag behind the rank's clock."""
     delta = {key: end[key] - start[key] for key in start if isinstance(start[key], (int, float))}
     forwards = max(delta["forwards"], 1)
+    host_cpu = delta["host_cpu_s"] - delta["device_side_cpu_s"]
     return {
         "forwards": delta["forwards"],
         "wall_s": round(delta["monotonic_s"], 2),
         "rank_s": round(delta["rank_clock_s"], 2),
         "occupancy": round(delta["busy_s"] / delta["rank_clock_s"], 3),
         "device_step_ms": round(1e3 * delta["busy_s"] / forwards, 2),
-        "host_cpu_ms_per_forward": round(1e3 * delta["host_cpu_s"] / forwards, 2),
-        "host_ms_per_forward_scaled": round(1e3 * end["host_speed"] * delta["host_cpu_s"] / forwards, 2),
+        "host_cpu_ms_per_forward": round(1e3 * host_cpu / forwards, 2),
+        "host_ms_per_forward_scaled": round(1e3 * end["host_speed"] * host_cpu / forwards, 2),
+        "device_side_cpu_ms_per_forward": round(1e3 * delta["device_side_cpu_s"] / forwards, 2),
         "host_waited_ms_per_forward": round(1e3 * delta["host_waited_s"] / forwards, 2),
         "cpu_queued_share": round(delta["cpu_queued_s"] / delta["monotonic_s"], 3),
         "settled_share": round(delta["settled_s"] / delta["monotonic_s"], 3),
@@ -120,14 +125,14 @@ def window_figures(start: dict, end: dict) -> dict[str, float]:
     }
 
 
-async def search(url: str, trajectories: list, settings: Settings, profile: Path | None) -> tuple:
-    """AgentPerf's interleaved search over the two configurations of one server; the result, and per
+async def search(url: str, names: list[str], trajectories: list, settings: Settings, profile: Path | None) -> tuple:
+    """AgentPerf's interleaved search over the configurations ``names`` of one server; the result, and per
     configuration its trials' windows (in trial order)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         model = await first_model(url, session)
-        servers = [WindowedServer(url, session, model, name, settings, profile) for name in MODES]
-        configurations = [Configuration(name, url, modes) for name, modes in MODES.items()]
+        servers = [WindowedServer(url, session, model, name, settings, profile) for name in names]
+        configurations = [Configuration(name, url, MODES[name]) for name in names]
         trace = f"recorded sessions ({len(trajectories)}), gpu scale"
         result: BenchmarkResult = await run_benchmark(
             configurations, servers, trajectories, settings, trace, Progress(settings.max_seconds)
@@ -153,7 +158,7 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
     )
     before = device_time(url)
     started = time.monotonic()
-    result, windows = asyncio.run(search(url, trajectories, settings, args.profile))
+    result, windows = asyncio.run(search(url, args.configurations, trajectories, settings, args.profile))
     elapsed = time.monotonic() - started
     after = device_time(url)
     table = markdown_table(result)
@@ -188,7 +193,9 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
             "occupancy_over_rank_clock": round(busy / rank_time, 3),
             "host_speed": after["device_time"]["host_speed"],
         },
-        "emulation": {k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes")},
+        "emulation": {
+            k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes", "device_time")
+        },
         "table": table,
     }
 
@@ -206,6 +213,7 @@ def main() -> None:
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
+    parser.add_argument("--configurations", nargs="+", choices=list(MODES), default=list(MODES))
     args = parser.parse_args()
     trajectories = load_sessions(args.sessions, SCALES["gpu"], ToolLatency(), seed=0)
     with tempfile.TemporaryDirectory() as scratch:
@@ -219,6 +227,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     name = f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
 

@@ -4,8 +4,9 @@ Reads the collapsed stacks ``benchmarks/emulated_cpg.py --profile`` writes for a
 --threads --format raw``, the scheduler's process) and, for its main thread, gives each stage of
 ``Scheduler.event_loop_overlap`` (the first ``Scheduler`` method below it, past the hooks' and metrics'
 wrappers: ingest_requests, get_next_batch_to_run, run_batch, process_batch_result, ...) its share of the samples,
-split into waiting (sleeping on the emulated device, the host-speed settle, idle polling) and working, and the
-working samples by whose code they are in: the innermost frame of this plugin (``sglang_dsv4``) or of SGLang,
+split into waiting (sleeping on the emulated device, the host-speed settle, idle polling), the allocator's
+free-list operations (a GPU's work, left out of the rank's clock) and working, and the working samples by whose
+code they are in: the innermost frame of this plugin (``sglang_dsv4``) or of SGLang,
 the libraries they call (torch, zmq, the standard library) counted to their caller. Samples at 50 Hz: a share's
 error is about 1/sqrt(samples).
 
@@ -15,6 +16,7 @@ error is about 1/sqrt(samples).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from collections import Counter
@@ -59,17 +61,24 @@ def owner(file: str) -> str | None:
         return "emulator"
     if file.startswith("sglang_dsv4/"):
         return "ours"
-    if file.startswith("sglang/") or (SGLANG / "srt" / file).exists():
-        return "SGLang"
-    return None
+    return "SGLang" if file.startswith("sglang/") or in_sglang(file) else None
+
+
+@functools.cache
+def in_sglang(file: str) -> bool:
+    """Whether SGLang has a file at a path ending in ``file`` (py-spy shortens paths to their last folders)."""
+    return file.endswith(".py") and next(SGLANG.rglob(file), None) is not None
 
 
 def kind_of(stack: list[tuple[str, str]]) -> str:
-    """``wait: <what>`` where the thread sleeps, else ``work: <owner>`` of the innermost frame not a library's."""
+    """``wait: <what>`` where the thread sleeps, the free list's device-side work, else ``work: <owner>`` of the
+    innermost frame not a library's."""
     names = {function for function, _ in stack}
     for what, function in WAITS.items():
         if function in names:
             return f"wait: {what}"
+    if "on_the_device" in names:
+        return "device-side: free list"
     return f"work: {next((o for _, file in reversed(stack) if (o := owner(file))), 'other')}"
 
 

@@ -149,6 +149,17 @@ def test_a_slower_emulated_host_sleeps_off_its_work_so_the_wall_keeps_pace_with_
     assert clock.spent()["settled_s"] == pytest.approx(wall - (time.thread_time() - cpu) - contention, abs=0.02)
 
 
+def test_cpu_time_left_out_as_device_work_moves_neither_the_rank_clock_nor_the_debt():
+    clock = RankClock(host_speed=2.0)
+    began, cpu = clock.now(), time.thread_time()
+    while time.thread_time() - cpu < 0.1:
+        pass
+    clock.leave_out(time.thread_time() - cpu)
+    clock.settle()
+    assert clock.now() - began == pytest.approx(0.0, abs=0.01)
+    assert clock.spent()["settled_s"] == pytest.approx(0.0, abs=0.005)  # the wall is already ahead
+
+
 def test_lockstep_charges_each_extend_for_every_rank_and_leaves_decode_alone():
     config, shape = named_config("flash"), ForwardShape((4096,), (4096,))
     alone = TimingModel(config, "flash", FP8_NODE).forward(shape)

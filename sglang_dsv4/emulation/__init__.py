@@ -18,6 +18,14 @@ from ..config import ConfigError
 from ..settings import settings
 
 RESULT_COPY = "sglang.srt.managers.utils.GenerationBatchResult.copy_to_cpu"
+FREE_LIST_OPERATIONS = (
+    "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.merge_and_sort_free",
+)
+"""SGLang's token-slot allocator's free-list operations: ``torch.cat`` / ``torch.sort`` over a tensor of every
+free slot (13.6M for V4-Flash on one H200: 109 MB). A GPU server keeps it on the GPU and the host only launches
+them; under emulation it is this host's memory, and each free copied the whole list on the scheduler's thread
+(:func:`.device.on_the_device` times them as a GPU's)."""
 
 
 def emulating() -> bool:

@@ -46,24 +46,33 @@ class RankClock:
     def __init__(self, host_speed: float = 1.0):
         self.host_speed = host_speed
         self._start = self._sample()
-        self._last_settled = self._start
+        self._last_settled, self._last_left_out = self._start, 0.0
         self._owed_s = 0.0
         self.settled_s = 0.0
+        self.device_side_s = 0.0
 
     def now(self) -> float:
         wall, cpu, queued = self._sample()
         start_wall, start_cpu, start_queued = self._start
-        return wall - (queued - start_queued) - (1 - self.host_speed) * (cpu - start_cpu) - self.settled_s
+        host = self.host_speed * (cpu - start_cpu - self.device_side_s)
+        return wall - (queued - start_queued) - (cpu - start_cpu) + host - self.settled_s
+
+    def leave_out(self, cpu_s: float) -> None:
+        """Leave ``cpu_s`` of this thread's CPU time out of the clock: work a GPU server does on the device."""
+        self.device_side_s += cpu_s
 
     def settle(self) -> None:
         """Sleep off the host work the emulated host does slower than this one (``host_speed`` above 1) since the
-        last settle, less the time the thread waited for a CPU meanwhile (contention already slowed it), so the
-        wall clock the clients read keeps pace with this one. Owed time under a millisecond is carried."""
+        last settle, less the time the thread waited for a CPU meanwhile (contention already slowed it) and the CPU
+        time left out of the clock (:meth:`leave_out`), so the wall clock the clients read keeps pace with this
+        one. Owed time under a millisecond is carried."""
         sample = self._sample()
         _, cpu, queued = sample
-        _, last_cpu, last_queued = self._last_settled
-        self._owed_s = max(0.0, self._owed_s + (self.host_speed - 1) * (cpu - last_cpu) - (queued - last_queued))
-        self._last_settled = sample
+        (_, last_cpu, last_queued), last_left_out = self._last_settled, self._last_left_out
+        left_out, slowed = self.device_side_s - last_left_out, queued - last_queued
+        owed = (self.host_speed - 1) * (cpu - last_cpu - left_out) - slowed - left_out
+        self._owed_s = max(0.0, self._owed_s + owed)
+        self._last_settled, self._last_left_out = sample, self.device_side_s
         if self._owed_s < 1e-3:
             return
         time.sleep(self._owed_s)
@@ -72,10 +81,16 @@ class RankClock:
         self._owed_s, self._last_settled = 0.0, after
 
     def spent(self) -> dict[str, float]:
-        """The thread's CPU seconds, its seconds waiting for a CPU, and its settle sleeps, since the start."""
+        """The thread's CPU seconds, its seconds waiting for a CPU, its settle sleeps and the CPU seconds left out
+        (device-side work), since the start."""
         _, cpu, queued = self._sample()
         _, start_cpu, start_queued = self._start
-        return {"host_cpu_s": cpu - start_cpu, "cpu_queued_s": queued - start_queued, "settled_s": self.settled_s}
+        return {
+            "host_cpu_s": cpu - start_cpu,
+            "cpu_queued_s": queued - start_queued,
+            "settled_s": self.settled_s,
+            "device_side_cpu_s": self.device_side_s,
+        }
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
@@ -170,3 +185,17 @@ def wait_at_result_copy(original, result, *args, **kwargs):
     finishes (the copy is queued right behind it, as on a GPU's stream)."""
     original(result, *args, **kwargs)
     result.copy_done = ForwardDone(device().busy_until)
+
+
+LAUNCH_S = 20e-6
+"""Host time a free-list operation costs a GPU server: one or two tensor ops launched from Python (an assumption,
+not measured here); the copy itself on the device, about 50 us at HBM speed, is not added to its timeline."""
+
+
+def on_the_device(original, *args, **kwargs):
+    """Around a free-list operation: its CPU time on this host left out of the rank's clock but a launch's."""
+    clock, started = device().rank_clock(), time.thread_time()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        clock.leave_out(max(0.0, time.thread_time() - started - LAUNCH_S))

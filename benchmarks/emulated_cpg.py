@@ -38,8 +38,16 @@ from typing import Any
 import aiohttp
 import requests
 
-from sglang_dsv4.agentperf.benchmark import BenchmarkResult, Configuration, Settings, run_benchmark
+from sglang_dsv4.agentperf.benchmark import (
+    BenchmarkResult,
+    Configuration,
+    ConfigurationResult,
+    Settings,
+    _trial,
+    run_benchmark,
+)
 from sglang_dsv4.agentperf.progress import Progress
+from sglang_dsv4.agentperf.replay import RequestBudget
 from sglang_dsv4.agentperf.report import markdown_table
 from sglang_dsv4.agentperf.server import ChatServer, first_model
 from sglang_dsv4.agentperf.slo import TIERS
@@ -102,6 +110,24 @@ class WindowedServer(ChatServer):
             return (await reply.json(content_type=None))["internal_states"][0]["dsv4_emulation"]
 
 
+async def one_trial_each(
+    configurations: list[Configuration], servers: list, levels: dict[str, int], trajectories: list,
+    settings: Settings, trace: str,
+) -> BenchmarkResult:
+    """One trial of each configuration at its level, no search (its verdict, not a CPG)."""
+    result = BenchmarkResult(settings, trace, [ConfigurationResult(c) for c in configurations])
+    deadline = asyncio.get_running_loop().time() + settings.max_seconds
+    budget, progress = RequestBudget(settings.max_requests), Progress(settings.max_seconds)
+    for outcome, server in zip(result.configurations, servers):
+        level = levels[outcome.configuration.name]
+        trial = await _trial(outcome, server, level, trajectories, settings, budget, deadline, progress)
+        if isinstance(trial, str):
+            result.stopped = trial
+            break
+        outcome.trials.append(trial)
+    return result
+
+
 def window_figures(start: dict, end: dict) -> dict[str, float]:
     """The device and the scheduler's thread between two readings: occupancy over the rank's clock, host CPU per
     forward (this host's and scaled; the allocator's free-list work, a GPU's, apart), this host's contention and
@@ -125,18 +151,23 @@ def window_figures(start: dict, end: dict) -> dict[str, float]:
     }
 
 
-async def search(url: str, names: list[str], trajectories: list, settings: Settings, profile: Path | None) -> tuple:
-    """AgentPerf's interleaved search over the configurations ``names`` of one server; the result, and per
-    configuration its trials' windows (in trial order)."""
+async def search(
+    url: str, names: list[str], trajectories: list, settings: Settings, profile: Path | None, levels: dict[str, int]
+) -> tuple:
+    """AgentPerf's interleaved search over the configurations ``names`` of one server (or, with ``levels``, one
+    trial of each at its level); the result, and per configuration its trials' windows (in trial order)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         model = await first_model(url, session)
         servers = [WindowedServer(url, session, model, name, settings, profile) for name in names]
         configurations = [Configuration(name, url, MODES[name]) for name in names]
         trace = f"recorded sessions ({len(trajectories)}), gpu scale"
-        result: BenchmarkResult = await run_benchmark(
-            configurations, servers, trajectories, settings, trace, Progress(settings.max_seconds)
-        )
+        if levels:
+            result = await one_trial_each(configurations, servers, levels, trajectories, settings, trace)
+        else:
+            result = await run_benchmark(
+                configurations, servers, trajectories, settings, trace, Progress(settings.max_seconds)
+            )
         for server in servers:
             await asyncio.gather(*server.readings)
         return result, {server.name: server.windows for server in servers}
@@ -158,7 +189,9 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
     )
     before = device_time(url)
     started = time.monotonic()
-    result, windows = asyncio.run(search(url, args.configurations, trajectories, settings, args.profile))
+    levels = dict((name, int(level)) for name, _, level in (pair.partition("=") for pair in args.at))
+    names = list(levels) if levels else args.configurations
+    result, windows = asyncio.run(search(url, names, trajectories, settings, args.profile, levels))
     elapsed = time.monotonic() - started
     after = device_time(url)
     table = markdown_table(result)
@@ -214,6 +247,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
     parser.add_argument("--configurations", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
     args = parser.parse_args()
     trajectories = load_sessions(args.sessions, SCALES["gpu"], ToolLatency(), seed=0)
     with tempfile.TemporaryDirectory() as scratch:
@@ -228,6 +262,7 @@ def main() -> None:
     name = f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
+    name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
 

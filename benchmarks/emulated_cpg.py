@@ -11,11 +11,16 @@ switched through ``/set_internal_state`` before every trial (the cache flushed):
 Upstream's round-robin DP is not part of this run: it emulates one rank. CPG = the largest concurrency whose
 agents all meet the SLO tier, per GPU (this rank's GPU). Besides the search it reports the emulated device's
 occupancy over the whole run (busy seconds over wall seconds, and over the rank's clock, which leaves out this
-host's contention and scales its host work by ``--host-speed``) and its host waits. Results (small: the table and a
+host's contention and scales its host work by ``--host-speed``) and its host waits, and per trial, over its
+measured window: the occupancy over the rank's clock, the scheduler thread's CPU time per forward (this host's,
+and scaled by ``--host-speed``), the time it waited for a CPU (this host's contention) and how far the wall
+clock the agents read fell behind the rank's. With ``--profile`` each window is also sampled by py-spy on the
+scheduler (collapsed stacks under ``--profile``'s folder, one file a trial). Results (small: the table and a
 summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
 
     python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
-        [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep]
+        [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
+        [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like]
 """
 
 from __future__ import annotations
@@ -23,14 +28,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import requests
 
-from sglang_dsv4.agentperf.benchmark import Configuration, Settings, measure
+from sglang_dsv4.agentperf.benchmark import (
+    BenchmarkResult,
+    Configuration,
+    ConfigurationResult,
+    Settings,
+    _trial,
+    run_benchmark,
+)
+from sglang_dsv4.agentperf.progress import Progress
+from sglang_dsv4.agentperf.replay import RequestBudget
 from sglang_dsv4.agentperf.report import markdown_table
+from sglang_dsv4.agentperf.server import ChatServer, first_model
 from sglang_dsv4.agentperf.slo import TIERS
 from sglang_dsv4.agentperf.traces import load_sessions
 from sglang_dsv4.agentperf.trajectory import SCALES, ToolLatency
@@ -39,6 +58,7 @@ from sglang_dsv4.launch import ONE_TORCH_THREAD, running_emulated_server
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
 OUT = REPOSITORY / "benchmarks" / "results" / "emulated_cpg"
+PY_SPY = Path(sys.executable).parent / "py-spy"
 MODES = {
     "ours": {"dsv4_prefix_hits": "exact", "dsv4_window_policy": "per_request"},
     "upstream-like": {"dsv4_prefix_hits": "aligned", "dsv4_window_policy": "all_committed"},
@@ -47,6 +67,110 @@ MODES = {
 
 def device_time(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]["dsv4_emulation"]
+
+
+class WindowedServer(ChatServer):
+    """A configuration's server that, from each trial's switch (its start), reads the emulated device at the
+    start and end of the trial's measured window, and samples the scheduler with py-spy over it (``profile``)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, model: str, name: str, settings: Settings,
+                 profile: Path | None) -> None:  # fmt: skip
+        super().__init__(url, session, model)
+        self.name, self.settings, self.profile = name, settings, profile
+        self.windows: list[dict[str, Any]] = []
+        self.readings: list[asyncio.Task] = []
+
+    async def apply(self, server_args: dict[str, Any]) -> dict[str, Any] | None:
+        modes = await super().apply(server_args)
+        self.readings.append(asyncio.create_task(self._window(len(self.readings))))
+        return modes
+
+    async def _window(self, trial: int) -> None:
+        await asyncio.sleep(self.settings.warmup_s)
+        start = await self._device()
+        sampler = None
+        if self.profile is not None:
+            self.profile.mkdir(parents=True, exist_ok=True)
+            sampler = subprocess.Popen(
+                [str(PY_SPY), "record", "--pid", str(start["pid"]), "--rate", "50", "--nonblocking", "--idle",
+                 "--threads", "--duration", f"{self.settings.measure_s:.0f}", "--format", "raw",
+                 "--output", str(self.profile / f"{self.name}_{trial}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        await asyncio.sleep(self.settings.measure_s)
+        end = await self._device()
+        if sampler is not None:
+            await asyncio.to_thread(sampler.wait)
+        self.windows.append(window_figures(start["device_time"], end["device_time"]))
+        if self.profile is not None:  # kept beside the samples as it comes, should the run break off
+            (self.profile / f"{self.name}_{trial}.window.json").write_text(json.dumps(self.windows[-1]))
+
+    async def _device(self) -> dict:
+        async with self.session.get(f"{self.url}/server_info") as reply:
+            return (await reply.json(content_type=None))["internal_states"][0]["dsv4_emulation"]
+
+
+async def one_trial_each(
+    configurations: list[Configuration], servers: list, levels: dict[str, int], trajectories: list,
+    settings: Settings, trace: str,
+) -> BenchmarkResult:
+    """One trial of each configuration at its level, no search (its verdict, not a CPG)."""
+    result = BenchmarkResult(settings, trace, [ConfigurationResult(c) for c in configurations])
+    deadline = asyncio.get_running_loop().time() + settings.max_seconds
+    budget, progress = RequestBudget(settings.max_requests), Progress(settings.max_seconds)
+    for outcome, server in zip(result.configurations, servers):
+        level = levels[outcome.configuration.name]
+        trial = await _trial(outcome, server, level, trajectories, settings, budget, deadline, progress)
+        if isinstance(trial, str):
+            result.stopped = trial
+            break
+        outcome.trials.append(trial)
+    return result
+
+
+def window_figures(start: dict, end: dict) -> dict[str, float]:
+    """The device and the scheduler's thread between two readings: occupancy over the rank's clock, host CPU per
+    forward (this host's and scaled; the allocator's free-list work, a GPU's, apart), this host's contention and
+    the wall's lag behind the rank's clock."""
+    delta = {key: end[key] - start[key] for key in start if isinstance(start[key], (int, float))}
+    forwards = max(delta["forwards"], 1)
+    host_cpu = delta["host_cpu_s"] - delta["device_side_cpu_s"]
+    return {
+        "forwards": delta["forwards"],
+        "wall_s": round(delta["monotonic_s"], 2),
+        "rank_s": round(delta["rank_clock_s"], 2),
+        "occupancy": round(delta["busy_s"] / delta["rank_clock_s"], 3),
+        "device_step_ms": round(1e3 * delta["busy_s"] / forwards, 2),
+        "host_cpu_ms_per_forward": round(1e3 * host_cpu / forwards, 2),
+        "host_ms_per_forward_scaled": round(1e3 * end["host_speed"] * host_cpu / forwards, 2),
+        "device_side_cpu_ms_per_forward": round(1e3 * delta["device_side_cpu_s"] / forwards, 2),
+        "host_waited_ms_per_forward": round(1e3 * delta["host_waited_s"] / forwards, 2),
+        "cpu_queued_share": round(delta["cpu_queued_s"] / delta["monotonic_s"], 3),
+        "settled_share": round(delta["settled_s"] / delta["monotonic_s"], 3),
+        "wall_behind_rank_share": round((delta["monotonic_s"] - delta["rank_clock_s"]) / delta["monotonic_s"], 3),
+    }
+
+
+async def search(
+    url: str, names: list[str], trajectories: list, settings: Settings, profile: Path | None, levels: dict[str, int]
+) -> tuple:
+    """AgentPerf's interleaved search over the configurations ``names`` of one server (or, with ``levels``, one
+    trial of each at its level); the result, and per configuration its trials' windows (in trial order)."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = await first_model(url, session)
+        servers = [WindowedServer(url, session, model, name, settings, profile) for name in names]
+        configurations = [Configuration(name, url, MODES[name]) for name in names]
+        trace = f"recorded sessions ({len(trajectories)}), gpu scale"
+        if levels:
+            result = await one_trial_each(configurations, servers, levels, trajectories, settings, trace)
+        else:
+            result = await run_benchmark(
+                configurations, servers, trajectories, settings, trace, Progress(settings.max_seconds)
+            )
+        for server in servers:
+            await asyncio.gather(*server.readings)
+        return result, {server.name: server.windows for server in servers}
 
 
 def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
@@ -63,10 +187,11 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
         served_history=False,
         seed=0,
     )
-    configurations = [Configuration(name, url, modes) for name, modes in MODES.items()]
     before = device_time(url)
     started = time.monotonic()
-    result = asyncio.run(measure(configurations, trajectories, settings, f"recorded sessions ({len(trajectories)}), gpu scale"))
+    levels = dict((name, int(level)) for name, _, level in (pair.partition("=") for pair in args.at))
+    names = list(levels) if levels else args.configurations
+    result, windows = asyncio.run(search(url, names, trajectories, settings, args.profile, levels))
     elapsed = time.monotonic() - started
     after = device_time(url)
     table = markdown_table(result)
@@ -87,6 +212,10 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
                 "ratio_to_first": outcome.ratio_to_first,
                 "levels": {f"{t.concurrency}": t.passed for t in outcome.trials},
                 "turns_measured": sum(len(t.records) for t in outcome.trials),
+                "trials": [
+                    {"concurrency": t.concurrency, "passed": t.passed, "window": w}
+                    for t, w in zip(outcome.trials, windows[outcome.configuration.name])
+                ],
             }
             for outcome in result.configurations
         },
@@ -97,7 +226,9 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
             "occupancy_over_rank_clock": round(busy / rank_time, 3),
             "host_speed": after["device_time"]["host_speed"],
         },
-        "emulation": {k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes")},
+        "emulation": {
+            k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes", "device_time")
+        },
         "table": table,
     }
 
@@ -113,17 +244,25 @@ def main() -> None:
     parser.add_argument("--sessions", type=Path, default=SESSIONS, help="the recorded sessions (jsonl.gz)")
     parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
+    parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
+    parser.add_argument("--configurations", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
     args = parser.parse_args()
     trajectories = load_sessions(args.sessions, SCALES["gpu"], ToolLatency(), seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         with running_emulated_server(
-            "flash", "--enable-cache-report", log_path=log, gpus=8, context_length=args.context_length,
+            "flash", "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype,
+            log_path=log, gpus=8, context_length=args.context_length,
             env=ONE_TORCH_THREAD, timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
         ) as url:  # fmt: skip
             summary = run(url, trajectories, args)
     OUT.mkdir(parents=True, exist_ok=True)
-    name = f"{args.slo}_{args.measure_s:g}s" + ("_lockstep" if args.lockstep else "")
+    name = f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
+    name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
+    name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
 

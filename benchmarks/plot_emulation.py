@@ -1,10 +1,11 @@
 """RESULTS' plots of the emulator: its CPG search per level and its calibration against upstream's figures.
 
-Reads ``benchmarks/results/emulated_cpg/<run>.md`` (AgentPerf's per-level table) and
+Reads ``benchmarks/results/emulated_cpg/<run>.md`` (AgentPerf's per-level table), the trials' windows in
+``<run>.json`` where it has them (the device's occupancy over the rank's clock per level), and
 ``benchmarks/results/emulated_calibration.json``; writes ``<run>.png`` beside the first and
 ``emulated_calibration.png`` beside the second.
 
-    python benchmarks/plot_emulation.py [--cpg-run slo20_90s]
+    python benchmarks/plot_emulation.py [--cpg-run slo20_90s_host1.76]
 """
 
 from __future__ import annotations
@@ -38,17 +39,35 @@ def level_rows(table: str) -> dict[str, list[tuple[int, float, float]]]:
     return rows
 
 
+def level_occupancy(summary: dict) -> dict[str, list[tuple[int, float]]]:
+    """Per configuration: (concurrency, the device's occupancy over the rank's clock in that trial's window)."""
+    return {
+        name: sorted((t["concurrency"], t["window"]["occupancy"]) for t in outcome.get("trials", []))
+        for name, outcome in summary["configurations"].items()
+    }
+
+
 def plot_cpg(run: str) -> Path:
     rows = level_rows((RESULTS / "emulated_cpg" / f"{run}.md").read_text())
-    figure, (speed, ttft) = plt.subplots(1, 2, figsize=(8, 3.2))
+    summary = RESULTS / "emulated_cpg" / f"{run}.json"
+    occupancy = level_occupancy(json.loads(summary.read_text())) if summary.exists() else {}
+    panels = 3 if any(occupancy.values()) else 2
+    figure, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2))
+    speed, ttft = axes[0], axes[1]
     for name, points in rows.items():
         levels = [p[0] for p in points]
         speed.plot(levels, [p[1] for p in points], marker="o", label=name)
         ttft.plot(levels, [p[2] for p in points], marker="o", label=name)
+        if panels == 3:
+            axes[2].plot(*zip(*occupancy[name]), marker="o", label=name)
     speed.axhline(SLO20["tok_s"], color="grey", linestyle="--", linewidth=1)
     ttft.axhline(SLO20["ttft_s"], color="grey", linestyle="--", linewidth=1)
     labels = ("slowest agent, tok/s (SLO: at least 20)", "largest TTFT p90, s (SLO: at most 10)")
-    for axis, label in zip((speed, ttft), labels):
+    if panels == 3:
+        axes[2].axhline(0.95, color="grey", linestyle="--", linewidth=1)
+        axes[2].set_ylim(0, 1.02)
+        labels += ("device busy over the rank's clock (target 0.95)",)
+    for axis, label in zip(axes, labels):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent agents on one H200 (emulated)")
         axis.set_ylabel(label, fontsize=8)
@@ -88,7 +107,7 @@ def plot_calibration() -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpg-run", default="slo20_90s")
+    parser.add_argument("--cpg-run", default="slo20_90s_host1.76")
     args = parser.parse_args()
     print(plot_cpg(args.cpg_run), plot_calibration())
 

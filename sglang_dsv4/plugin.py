@@ -31,7 +31,7 @@ from .disaggregation import (
     request_rows,
     transfer_report,
 )
-from .emulation import RESULT_COPY, check_emulation, emulating
+from .emulation import FREE_LIST_OPERATIONS, RESULT_COPY, check_emulation, emulating
 from .platform import bind_rank_threads, host_sharing
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .required_hooks import require, require_hooks_applied
@@ -90,7 +90,7 @@ def register() -> None:
     if settings().disable:
         logger.info("sglang-dsv4 disabled (SGLANG_DSV4_PLUGIN_DISABLE); DeepSeek-V4 uses upstream's path")
         return
-    require(REQUIRED_HOOKS + ((RESULT_COPY,) if emulating() else ()))
+    require(REQUIRED_HOOKS + ((RESULT_COPY, *FREE_LIST_OPERATIONS) if emulating() else ()))
     _register_model()
     _register_attention_backend()
     _register_server_arg_overrides()
@@ -115,14 +115,16 @@ def register() -> None:
 
 def _register_emulation() -> None:
     """``SGLANG_DSV4_PLUGIN_EMULATE``: the emulated model in place of ours, the host waiting for the emulated
-    device at the result copy (:mod:`sglang_dsv4.emulation`)."""
+    device at the result copy, the allocator's free-list operations timed as a GPU's (:mod:`sglang_dsv4.emulation`)."""
     from sglang.srt.models.registry import ModelRegistry
 
-    from .emulation.device import wait_at_result_copy
+    from .emulation.device import on_the_device, wait_at_result_copy
     from .emulation.model import EmulatedDeepseekV4ForCausalLM
 
     ModelRegistry.models[ARCHITECTURE] = EmulatedDeepseekV4ForCausalLM
     HookRegistry.register(RESULT_COPY, wait_at_result_copy, HookType.AROUND)
+    for operation in FREE_LIST_OPERATIONS:
+        HookRegistry.register(operation, on_the_device, HookType.AROUND)
 
 
 def _register_model() -> None:

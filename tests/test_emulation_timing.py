@@ -10,7 +10,7 @@ import pytest
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import load_config, named_config
 from sglang_dsv4.emulation.command import emulated_model_dir
-from sglang_dsv4.emulation.device import RankClock
+from sglang_dsv4.emulation.device import RankClock, runqueue_wait_s
 from sglang_dsv4.emulation.timing import (
     REFERENCE_ENTRY_BYTES,
     REFERENCE_INDEXER_KEY_BYTES,
@@ -135,6 +135,29 @@ def test_the_rank_clock_passes_blocked_time_at_the_walls_rate_and_scales_cpu_tim
     while time.thread_time() - cpu < 0.2:
         pass
     assert clock.now() - began == pytest.approx(0.5 * (time.thread_time() - cpu), abs=0.03)  # contention left out
+
+
+def test_a_slower_emulated_host_sleeps_off_its_work_so_the_wall_keeps_pace_with_the_rank_clock():
+    clock = RankClock(host_speed=2.0)
+    began, start, cpu, queued = clock.now(), time.monotonic(), time.thread_time(), runqueue_wait_s()
+    while time.thread_time() - cpu < 0.1:
+        pass
+    clock.settle()
+    ran, wall, contention = clock.now() - began, time.monotonic() - start, runqueue_wait_s() - queued
+    assert ran == pytest.approx(2 * (time.thread_time() - cpu), abs=0.01)
+    assert ran - 0.01 <= wall <= ran + contention + 0.02  # behind the rank clock only by this host's contention
+    assert clock.spent()["settled_s"] == pytest.approx(wall - (time.thread_time() - cpu) - contention, abs=0.02)
+
+
+def test_cpu_time_left_out_as_device_work_moves_neither_the_rank_clock_nor_the_debt():
+    clock = RankClock(host_speed=2.0)
+    began, cpu = clock.now(), time.thread_time()
+    while time.thread_time() - cpu < 0.1:
+        pass
+    clock.leave_out(time.thread_time() - cpu)
+    clock.settle()
+    assert clock.now() - began == pytest.approx(0.0, abs=0.01)
+    assert clock.spent()["settled_s"] == pytest.approx(0.0, abs=0.005)  # the wall is already ahead
 
 
 def test_lockstep_charges_each_extend_for_every_rank_and_leaves_decode_alone():

@@ -10,8 +10,9 @@ scheduler would never wait.
 Time is the rank's own (:class:`RankClock`): the wall clock less the time the scheduler's thread waited for a CPU
 (other ranks and processes on this host's cores), with the thread's CPU time (``time.thread_time``) scaled by the
 host-speed factor, so that the device sees the host work an H200 host's core would do, uncontended. The waits are
-real sleeps of the clock's remaining time; work this host does slower than the emulated host shows in the
-clients' wall times, not in the device's timeline.
+real sleeps of the clock's remaining time. Where the emulated host is the slower (factor above 1), the host first
+sleeps off what its work took less than the emulated host's (:meth:`RankClock.settle`), so that the clients' wall
+times keep pace with the rank's clock; they fall behind it only where this host's contention exceeds that.
 
 Occupancy is the device's busy time over the rank's time since its first forward: what SGLang's
 ``fwd_occupancy`` reads on a GPU.
@@ -39,16 +40,57 @@ class RankClock:
     """One thread's clock: wall time less its waits for a CPU, its CPU time counted ``host_speed`` times.
 
     ``host_speed``: the emulated host's single-thread time over this host's (below 1: a faster host). Blocked
-    time (sleeping, waiting for requests) passes at the wall's rate."""
+    time (sleeping, waiting for requests) passes at the wall's rate, except the sleeps of :meth:`settle`, which
+    stand for host work already counted."""
 
     def __init__(self, host_speed: float = 1.0):
         self.host_speed = host_speed
         self._start = self._sample()
+        self._last_settled, self._last_left_out = self._start, 0.0
+        self._owed_s = 0.0
+        self.settled_s = 0.0
+        self.device_side_s = 0.0
 
     def now(self) -> float:
         wall, cpu, queued = self._sample()
         start_wall, start_cpu, start_queued = self._start
-        return wall - (queued - start_queued) - (1 - self.host_speed) * (cpu - start_cpu)
+        host = self.host_speed * (cpu - start_cpu - self.device_side_s)
+        return wall - (queued - start_queued) - (cpu - start_cpu) + host - self.settled_s
+
+    def leave_out(self, cpu_s: float) -> None:
+        """Leave ``cpu_s`` of this thread's CPU time out of the clock: work a GPU server does on the device."""
+        self.device_side_s += cpu_s
+
+    def settle(self) -> None:
+        """Sleep off the host work the emulated host does slower than this one (``host_speed`` above 1) since the
+        last settle, less the time the thread waited for a CPU meanwhile (contention already slowed it) and the CPU
+        time left out of the clock (:meth:`leave_out`), so the wall clock the clients read keeps pace with this
+        one. Owed time under a millisecond is carried."""
+        sample = self._sample()
+        _, cpu, queued = sample
+        (_, last_cpu, last_queued), last_left_out = self._last_settled, self._last_left_out
+        left_out, slowed = self.device_side_s - last_left_out, queued - last_queued
+        owed = (self.host_speed - 1) * (cpu - last_cpu - left_out) - slowed - left_out
+        self._owed_s = max(0.0, self._owed_s + owed)
+        self._last_settled, self._last_left_out = sample, self.device_side_s
+        if self._owed_s < 1e-3:
+            return
+        time.sleep(self._owed_s)
+        after = self._sample()
+        self.settled_s += (after[0] - sample[0]) - (after[2] - sample[2])
+        self._owed_s, self._last_settled = 0.0, after
+
+    def spent(self) -> dict[str, float]:
+        """The thread's CPU seconds, its seconds waiting for a CPU, its settle sleeps and the CPU seconds left out
+        (device-side work), since the start."""
+        _, cpu, queued = self._sample()
+        _, start_cpu, start_queued = self._start
+        return {
+            "host_cpu_s": cpu - start_cpu,
+            "cpu_queued_s": queued - start_queued,
+            "settled_s": self.settled_s,
+            "device_side_cpu_s": self.device_side_s,
+        }
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
@@ -66,10 +108,14 @@ class EmulatedDevice:
     clock: RankClock | None = field(default=None, repr=False)
 
     def now(self) -> float:
-        """The rank's clock (started by the first call, in the thread that issues and waits: the scheduler's)."""
+        """The rank's clock."""
+        return self.rank_clock().now()
+
+    def rank_clock(self) -> RankClock:
+        """The rank's clock, started by the first call, in the thread that issues and waits: the scheduler's."""
         if self.clock is None:
             self.clock = RankClock(self.host_speed)
-        return self.clock.now()
+        return self.clock
 
     def issue(self, seconds: float) -> float:
         """Queue a forward of ``seconds`` behind those issued before; its finish on the rank's clock."""
@@ -82,7 +128,8 @@ class EmulatedDevice:
         return self.busy_until
 
     def wait_until(self, finish: float) -> None:
-        """Block the host until the device reaches ``finish``."""
+        """Block the host until the device reaches ``finish``, its own work's slowdown slept off first."""
+        self.rank_clock().settle()
         remaining = finish - self.now()
         if remaining > 0:
             time.sleep(remaining)
@@ -90,9 +137,13 @@ class EmulatedDevice:
 
     def report(self) -> dict[str, float]:
         """Forwards, busy and waited seconds, the rank's seconds since its first forward and occupancy so far
-        (busy time queued ahead counted as done), and the host-speed factor."""
+        (busy time queued ahead counted as done), the host-speed factor, and the scheduler thread's time on this
+        host since its clock started (CPU, waiting for a CPU, settle sleeps; a clock's reading with each)."""
         wall = 0.0 if self.first_issue is None else max(self.now(), self.busy_until) - self.first_issue
         return {
+            **{name: round(seconds, 3) for name, seconds in self.rank_clock().spent().items()},
+            "rank_clock_s": round(self.now(), 3),
+            "monotonic_s": round(time.monotonic(), 3),
             "forwards": self.forwards,
             "busy_s": round(self.busy_s, 3),
             "host_waited_s": round(self.waited_s, 3),
@@ -134,3 +185,17 @@ def wait_at_result_copy(original, result, *args, **kwargs):
     finishes (the copy is queued right behind it, as on a GPU's stream)."""
     original(result, *args, **kwargs)
     result.copy_done = ForwardDone(device().busy_until)
+
+
+LAUNCH_S = 20e-6
+"""Host time a free-list operation costs a GPU server: one or two tensor ops launched from Python (an assumption,
+not measured here); the copy itself on the device, about 50 us at HBM speed, is not added to its timeline."""
+
+
+def on_the_device(original, *args, **kwargs):
+    """Around a free-list operation: its CPU time on this host left out of the rank's clock but a launch's."""
+    clock, started = device().rank_clock(), time.thread_time()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        clock.leave_out(max(0.0, time.thread_time() - started - LAUNCH_S))

@@ -204,7 +204,7 @@ def _skip_cached_prefix_send(original, scheduler, req, *args, **kwargs) -> None:
 # --- bytes moved ---------------------------------------------------------------------------------
 
 _counting = threading.local()
-_moved = {"bytes": 0, "requests": 0, "seconds": 0.0, "decode_prefix_tokens": 0}
+_moved = {"bytes": 0, "blocks": 0, "requests": 0, "seconds": 0.0, "decode_prefix_tokens": 0}
 _moved_lock = threading.Lock()
 
 
@@ -228,17 +228,20 @@ def _counted_transfer(original, manager, session_id, transfer_blocks) -> int:
     if getattr(_counting, "active", False) and result == 0:
         with _moved_lock:
             _moved["bytes"] += sum(length for _, _, length in transfer_blocks)
+            _moved["blocks"] += len(transfer_blocks)
     return result
 
 
 def transfer_report() -> dict[str, float]:
-    """What this instance sent: requests' states, their bytes as submitted to the transfer engine, the seconds
-    the sends took (the transfer worker's, beside the scheduler), and the prompt tokens whose state the decode
-    instances held already (their ``decode_prefix_len``)."""
+    """What this instance sent: requests' states, their bytes and contiguous blocks as submitted to the transfer
+    engine (SGLang merges rows adjacent on both sides into one block), the seconds the sends took (the transfer
+    worker's, beside the scheduler), and the prompt tokens whose state the decode instances held already (their
+    ``decode_prefix_len``)."""
     with _moved_lock:
         return {
             "states_sent": _moved["requests"],
             "bytes_sent": _moved["bytes"],
+            "blocks_sent": _moved["blocks"],
             "send_seconds": _moved["seconds"],
             "decode_prefix_tokens": _moved["decode_prefix_tokens"],
         }

@@ -130,8 +130,9 @@ def check_disaggregation(view: Any) -> None:
         ),
         (
             view.attn_dp_size > 1,
-            f"--attn-dp-size {view.attn_dp_size}: routing a request's state to a rank of a data-parallel decode "
-            "instance is not built",
+            f"--attn-dp-size {view.attn_dp_size}: a pair under attention DP is not built for V4 (SGLang pairs any "
+            "prefill rank with any decode rank, but the cache-aware rank routing is off under PD and the pair is "
+            "untested; docs/serving.md)",
         ),
     ]
     for refused, reason in refusals:

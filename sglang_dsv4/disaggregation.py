@@ -130,8 +130,9 @@ def check_disaggregation(view: Any) -> None:
         ),
         (
             view.attn_dp_size > 1,
-            f"--attn-dp-size {view.attn_dp_size}: routing a request's state to a rank of a data-parallel decode "
-            "instance is not built",
+            f"--attn-dp-size {view.attn_dp_size}: a pair under attention DP is not built for V4 (SGLang pairs any "
+            "prefill rank with any decode rank, but the cache-aware rank routing is off under PD and the pair is "
+            "untested; docs/serving.md)",
         ),
     ]
     for refused, reason in refusals:
@@ -204,7 +205,7 @@ def _skip_cached_prefix_send(original, scheduler, req, *args, **kwargs) -> None:
 # --- bytes moved ---------------------------------------------------------------------------------
 
 _counting = threading.local()
-_moved = {"bytes": 0, "requests": 0, "seconds": 0.0, "decode_prefix_tokens": 0}
+_moved = {"bytes": 0, "blocks": 0, "requests": 0, "seconds": 0.0, "decode_prefix_tokens": 0}
 _moved_lock = threading.Lock()
 
 
@@ -228,17 +229,20 @@ def _counted_transfer(original, manager, session_id, transfer_blocks) -> int:
     if getattr(_counting, "active", False) and result == 0:
         with _moved_lock:
             _moved["bytes"] += sum(length for _, _, length in transfer_blocks)
+            _moved["blocks"] += len(transfer_blocks)
     return result
 
 
 def transfer_report() -> dict[str, float]:
-    """What this instance sent: requests' states, their bytes as submitted to the transfer engine, the seconds
-    the sends took (the transfer worker's, beside the scheduler), and the prompt tokens whose state the decode
-    instances held already (their ``decode_prefix_len``)."""
+    """What this instance sent: requests' states, their bytes and contiguous blocks as submitted to the transfer
+    engine (SGLang merges rows adjacent on both sides into one block), the seconds the sends took (the transfer
+    worker's, beside the scheduler), and the prompt tokens whose state the decode instances held already (their
+    ``decode_prefix_len``)."""
     with _moved_lock:
         return {
             "states_sent": _moved["requests"],
             "bytes_sent": _moved["bytes"],
+            "blocks_sent": _moved["blocks"],
             "send_seconds": _moved["seconds"],
             "decode_prefix_tokens": _moved["decode_prefix_tokens"],
         }

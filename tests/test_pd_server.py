@@ -12,14 +12,15 @@ state record), and the outputs still equal one server's. After requests, after a
 mid-request, and after a transfer that fails (the test-only ``fault_plugin`` fails a marked prompt's state send),
 every row is back on both instances.
 
-Faults (issue 44), each ending its request in an error within seconds, every row back on both sides, and the pair
-(or the surviving instance) then serving as one server does: an abort sent to the prefill instance (while it
-prefills, and while it sends) or to the decode instance; a transfer that does not progress (``fault_plugin`` holds a
-marked prompt's state send), ended by the decode instance's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a decode
-instance killed while the prefill instance sends to it, then started again; a prefill instance killed while it
-sends, found dead by the decode instance's heartbeat. The requests with faults are sent to the two instances as a
-PD router sends them (SGLang's bootstrap fields), so that each goes once (smg retries a failed request). Every
-SGLang timeout involved is set short by environment for these instances (:data:`FAULT_TIMEOUTS`).
+Faults (issue 44), each ending its request in an error (at once, or when the SGLang timeout covering it runs out),
+every row back on both sides, and the pair (or the surviving instance) then serving as one server does: an abort
+sent to the prefill instance (while it prefills, and while it sends) or to the decode instance; a transfer that does
+not progress (``fault_plugin`` holds a marked prompt's state send), ended by the decode instance's
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a decode instance killed while the prefill instance sends to it, then
+started again; a prefill instance killed while it sends, found dead by the decode instance's heartbeat. The requests
+with faults are sent to the two instances as a PD router sends them (SGLang's bootstrap fields), so that each goes
+once (smg retries a failed request). Every SGLang timeout involved is set short by environment for these instances
+(:data:`FAULT_TIMEOUTS`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import requests
 import torch
 from conftest import random_ids
 from fault_plugin import SIGNALS, TRANSFER_FAULT, TRANSFER_HOLD
-from serving_checks import assert_pools_idle, generate, greedy
+from serving_checks import assert_pools_idle, greedy
 from test_containment import INNOCENT_VOCAB, TESTS, install_fault_plugin
 
 from sglang_dsv4.config import load_config
@@ -69,7 +70,7 @@ def _prompt(length: int) -> list[int]:
 
 
 PROMPTS = {length: _prompt(length) for length in PROMPT_LENGTHS}
-# SGLang's timeouts for a pair, short here (defaults in brackets): the decode instance fails a request whose state
+# SGLang's timeouts for a pair, short here (defaults in parentheses): the decode instance fails a request whose state
 # has not arrived this long after it asked (300 s); the prefill instance one whose decode instance never asked
 # (300 s); the decode instance checks each prefill instance's bootstrap server this often (5 s) and gives it up
 # after this many misses (2); it holds a failed request's rows for the prefill instance's word that nothing more

@@ -222,6 +222,10 @@ def failed(reply: requests.Response | Exception, naming: str = "") -> bool:
     return reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def timed_out(reply: requests.Response) -> bool:
+    return "timed out" in reply.text
+
+
 def held(signals: Path, within_s: float = 120) -> None:
     """Wait until the fault plugin holds a marked prompt's state send (the request is mid-transfer)."""
     deadline = time.monotonic() + within_s
@@ -265,6 +269,7 @@ def test_an_abort_sent_to_one_instance_mid_transfer_ends_the_request_on_both(pai
     assert requests.post(f"{pair[side]}/abort_request", json={"rid": rid}, timeout=30).status_code == 200
     replies = request.wait(within_s=30)
     assert failed(replies["prefill"]) and failed(replies["decode"]), replies
+    assert not timed_out(replies["decode"])  # told, not left to its waiting timeout
     meanwhile.join(120)
     assert meanwhile_output == [greedy(tiny_server, PROMPTS[259], 8)]
     for instance in ("prefill", "decode"):
@@ -283,6 +288,7 @@ def test_an_abort_sent_to_the_prefill_instance_while_it_prefills_ends_the_reques
     assert requests.post(f"{pair['prefill']}/abort_request", json={"rid": rid}, timeout=30).status_code == 200
     replies = request.wait(within_s=30)
     assert failed(replies["prefill"]) and failed(replies["decode"]), replies
+    assert not timed_out(replies["decode"])  # told, not left to its waiting timeout
     for instance in ("prefill", "decode"):
         assert_pools_idle(pair[instance])
     assert_served_as_one_server(pair["router"], tiny_server)

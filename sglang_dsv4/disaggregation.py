@@ -50,6 +50,7 @@ SENDER_DECODE_PREFIX = "sglang.srt.disaggregation.common.conn.CommonKVSender.pop
 RECEIVER_METADATA = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata"
 STATE_SEND = f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra"
 ENGINE_TRANSFER = f"{_MOONCAKE}.MooncakeKVManager._transfer_data"
+SENDER_ABORT = "sglang.srt.disaggregation.common.conn.CommonKVSender.abort"
 CACHED_PREFIX_SEND = (
     "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk"
 )
@@ -66,6 +67,7 @@ MOONCAKE_HOOKS = {
     RECEIVER_METADATA: ("_publish_with_rows", "AROUND"),
     STATE_SEND: ("_counting_request_state", "AROUND"),
     ENGINE_TRANSFER: ("_counted_transfer", "AROUND"),
+    SENDER_ABORT: ("_tell_the_decode_side_of_an_abort", "AFTER"),
 }
 HOOKS = {
     STATE_ARGS: ("_add_request_state", "AFTER"),
@@ -246,6 +248,19 @@ def transfer_report() -> dict[str, float]:
             "send_seconds": _moved["seconds"],
             "decode_prefix_tokens": _moved["decode_prefix_tokens"],
         }
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+
+def _tell_the_decode_side_of_an_abort(result, sender, *args, **kwargs) -> None:
+    """A request aborted on the prefill instance (``/abort_request``, a client gone) fails on the decode instance
+    too, as a failed transfer does (SGLang's sender marks it failed on the prefill side only, and the decode
+    instance would wait ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` for it): the room's decode endpoints, once they
+    have sent their metadata, get its failure. Before that the decode instance's own timeout ends it."""
+    manager, room = sender.kv_mgr, sender.bootstrap_room
+    if room in manager.request_status:
+        manager.conclude_failure(bootstrap_room=room, failure_reason="Aborted on the prefill instance")
 
 
 # --- the decode side's request rows ------------------------------------------------------------

@@ -340,6 +340,7 @@ def check(scheduler: Scheduler) -> None:
     assert fields(match) == fields(match_from_the_root(tree, query))
     scheduler.matches_started_at_an_end += started_at_an_end
     check_session_ends(tree)
+    check_evictable_leaves(tree)
     check_tiers(tree)
 
 
@@ -356,6 +357,18 @@ def match_from_the_root(tree: V4RadixCache, query: list[int]):
         tree.session_ends = ends
 
 
+def check_evictable_leaves(tree: V4RadixCache) -> None:
+    """SGLang's set of evictable leaves is what its definition says: device nodes no request locks whose
+    children are all host-only (or none)."""
+    expected, stack = set(), list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values()):
+            expected.add(node)
+    assert tree.evictable_leaves == expected
+
+
 def check_session_ends(tree: V4RadixCache) -> None:
     """Every remembered session end is a node in the tree whose path holds exactly the tokens remembered, one on
     a path."""
@@ -368,7 +381,7 @@ def check_session_ends(tree: V4RadixCache) -> None:
             above = above.parent
             assert above not in tree.session_ends
         path = sum(reversed(keys), array("q"))
-        assert path.tolist() == ended.tokens.tolist() and ended.position == len(path) == tree._end(node)
+        assert path.tolist() == ended.tokens[: ended.position].tolist() and ended.position == len(path) == tree._end(node)
 
 
 def check_tiers(tree: V4RadixCache) -> None:

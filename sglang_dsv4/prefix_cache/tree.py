@@ -56,6 +56,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    DecLockRefResult,
     EvictParams,
     EvictResult,
     IncLockRefResult,
@@ -294,6 +296,45 @@ class V4RadixCache(RadixCache):
         if positions:
             prompt = len(req.origin_input_ids)
             self.reports.made(req.rid, positions, req.full_untruncated_fill_ids[prompt : positions[-1]].tolist())
+
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """SGLang's, a node's leaf status looked at only where its count leaves 0 (a locked node is no evictable
+        leaf, whatever its count): a flat cost a node of the path, not a look at its children."""
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        delta, root = 0, self.root_node
+        while node is not root:
+            if node.lock_ref == 0:
+                size = len(node.key)
+                self.evictable_size_ -= size
+                self.protected_size_ += size
+                delta -= size
+                node.lock_ref = 1
+                self._update_leaf_status(node)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+        return IncLockRefResult(delta=delta)
+
+    def dec_lock_ref(self, node: TreeNode, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        """SGLang's, a node's leaf status looked at only where its count reaches 0 (as :meth:`inc_lock_ref`)."""
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        delta, root = 0, self.root_node
+        while node is not root:
+            if node.lock_ref == 1:
+                size = len(node.key)
+                self.evictable_size_ += size
+                self.protected_size_ -= size
+                delta += size
+                node.lock_ref = 0
+                self._update_leaf_status(node)
+            else:
+                node.lock_ref -= 1
+            if node.parent is None:
+                raise AssertionError("This request holds the node from another tree")
+            node = node.parent
+        return DecLockRefResult(delta=delta)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -693,27 +734,37 @@ class V4RadixCache(RadixCache):
             if position <= length and ended.last_token == tokens[position - 1] and ended.namespace == namespace:
                 candidates.append((position, id(node), node, ended.tokens))
         for position, _, node, ended_with in sorted(candidates, reverse=True):
-            if np.array_equal(ended_with, np.frombuffer(tokens, np.int64, position)):
+            if np.array_equal(ended_with[:position], np.frombuffer(tokens, np.int64, position)):
                 self.session_ends.move_to_end(node)
                 return node
         return None
 
     def _remember_session_end(self, node: TreeNode, key: RadixKey) -> None:
         """A finished request's tokens (``key``) end at ``node``: its session's next turn resends them, so its
-        match starts there (:meth:`_match_node`). A copy of the tokens, at memory speed: SGLang's sessions cut and
-        extend a finished request's token array in place. The ends remembered above ``node`` go (the session moved
-        past them: one copy a path), and the ``SESSION_ENDS`` most recent are kept."""
+        match starts there (:meth:`_match_node`). The tokens are copied (SGLang's sessions cut and extend a
+        finished request's token array in place) into the buffer of the deepest end remembered on ``node``'s path,
+        which the session moved past: the path's tokens up to that end are in it already (the tree holds the
+        same tokens on the same path), so a turn copies its new tokens only, the buffer grown by a quarter when
+        full. The ends above ``node`` go (one a path), and the ``SESSION_ENDS`` most recent are kept."""
         if key.is_bigram or not _int64_tokens(key.token_ids):
             return
         position = len(key)
         if position == 0:
             return
-        tokens = np.frombuffer(key.token_ids, np.int64, position).copy()
-        above = node
+        buffer, kept, above = None, 0, node
         while above is not None:
-            self.session_ends.pop(above, None)
+            ended = self.session_ends.pop(above, None)
+            if ended is not None and buffer is None:
+                buffer, kept = ended.tokens, ended.position
             above = above.parent
-        self.session_ends[node] = SessionEnd(position, int(tokens[-1]), key_namespace(key), tokens)
+        tokens = np.frombuffer(key.token_ids, np.int64, position)
+        if buffer is None or len(buffer) < position:
+            grown = np.empty(position + position // 4 + 1024, np.int64)
+            if buffer is not None:
+                grown[:kept] = buffer[:kept]
+            buffer = grown
+        buffer[kept:position] = tokens[kept:]
+        self.session_ends[node] = SessionEnd(position, int(tokens[-1]), key_namespace(key), buffer)
         if len(self.session_ends) > SESSION_ENDS:
             self.session_ends.popitem(last=False)
 
@@ -799,8 +850,10 @@ class V4RadixCache(RadixCache):
                 self.evictable_size_ -= len(below.key)
                 self.protected_size_ += len(below.key)
                 delta -= len(below.key)
-            below.lock_ref += 1
-            self._update_leaf_status(below)
+                below.lock_ref = 1
+                self._update_leaf_status(below)
+            else:
+                below.lock_ref += 1
             below = below.parent
         return TreeLock(node, IncLockRefResult(delta=delta).to_dec_params())
 
@@ -890,12 +943,12 @@ class V4RadixCache(RadixCache):
 
 SESSION_ENDS = 64
 """Finished requests' ends remembered for the next turns' matches, at most one on a path; each holds its tokens (8
-bytes a token), so together at most the tokens of 64 of the tree's paths."""
+bytes a token, a quarter more of room), so together at most ~1.25x the tokens of 64 of the tree's paths."""
 
 
 class SessionEnd(NamedTuple):
     """Where a finished request's tokens ended in the tree: the position, the last token, the key's namespace
-    (extra key, cache salt) and the tokens up to there."""
+    (extra key, cache salt) and a buffer whose first ``position`` values are the tokens up to there."""
 
     position: int
     last_token: int

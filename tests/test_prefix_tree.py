@@ -381,7 +381,8 @@ def check_session_ends(tree: V4RadixCache) -> None:
             above = above.parent
             assert above not in tree.session_ends
         path = sum(reversed(keys), array("q"))
-        assert path.tolist() == ended.tokens[: ended.position].tolist() and ended.position == len(path) == tree._end(node)
+        assert path.tolist() == ended.tokens[: ended.position].tolist()
+        assert ended.position == len(path) == tree._end(node)
 
 
 def check_tiers(tree: V4RadixCache) -> None:

@@ -127,7 +127,7 @@ class V4RadixCache(RadixCache):
         self.host = host_tier
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.made_by: dict[TreeNode, str] = {}  # the request each checkpoint was made for
-        # Where recent finished requests ended, with a copy of their tokens up to there (:meth:`_match_node`).
+        # Where recent finished requests ended, with their tokens up to there (:meth:`_match_node`).
         self.session_ends: OrderedDict[TreeNode, SessionEnd] = OrderedDict()
         self.reports: CheckpointReports = Unreported()
         self.checkpoint_interval = checkpoint_interval

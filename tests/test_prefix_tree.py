@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from unittest.mock import patch
 
@@ -109,6 +110,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.sequences: list[list[int]] = [[]]
         self.count = 0
+        self.matches_started_at_an_end = 0  # checked matches that started at a remembered session end
         self.resumes = {"device": 0, "host": 0}
         # What each cached checkpoint's resume reads, taken when it was made (rows hold random bytes that
         # forwards "wrote"), checked at every resume from either tier.
@@ -332,9 +334,55 @@ def check(scheduler: Scheduler) -> None:
     aligned = tree.modes()["prefix_hits"] == "aligned"
     usable = [len(p) for p in prefixes if len(p) <= len(query) and (not aligned or len(p) % ALIGNED_PAGE == 0)]
     expected = max([n for n in usable if tuple(query[:n]) in prefixes] + [0])
+    started_at_an_end = tree._session_end_of(RadixKey(array("q", query))) is not None
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query))))
     assert match.device_prefix_len + match.host_hit_length == expected
+    assert fields(match) == fields(match_from_the_root(tree, query))
+    scheduler.matches_started_at_an_end += started_at_an_end
+    check_session_ends(tree)
+    check_evictable_leaves(tree)
     check_tiers(tree)
+
+
+def fields(match) -> tuple:
+    return match.device_prefix_len, match.host_hit_length, match.last_device_node, match.best_match_node
+
+
+def match_from_the_root(tree: V4RadixCache, query: list[int]):
+    """The tree's match of ``query`` walked from the root, no remembered session end used."""
+    ends, tree.session_ends = tree.session_ends, OrderedDict()
+    try:
+        return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", query))))
+    finally:
+        tree.session_ends = ends
+
+
+def check_evictable_leaves(tree: V4RadixCache) -> None:
+    """SGLang's set of evictable leaves is what its definition says: device nodes no request locks whose
+    children are all host-only (or none)."""
+    expected, stack = set(), list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values()):
+            expected.add(node)
+    assert tree.evictable_leaves == expected
+
+
+def check_session_ends(tree: V4RadixCache) -> None:
+    """Every remembered session end is a node in the tree whose path holds exactly the tokens remembered, one on
+    a path."""
+    assert len(tree.session_ends) <= tree_module.SESSION_ENDS
+    for node, ended in tree.session_ends.items():
+        assert tree._attached(node)
+        keys, above = [], node
+        while above is not tree.root_node:
+            keys.append(above.key.token_ids[: len(above.key)])
+            above = above.parent
+            assert above not in tree.session_ends
+        path = sum(reversed(keys), array("q"))
+        assert path.tolist() == ended.tokens[: ended.position].tolist()
+        assert ended.position == len(path) == tree._end(node)
 
 
 def check_tiers(tree: V4RadixCache) -> None:
@@ -428,6 +476,7 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
         assert moves["checkpoints_dropped"] > 0 and moves["write_backs_skipped"] > 0, moves
     if write_policy != "write_back":  # nodes were backed up when cached, and evicted without copying their entries
         assert moves["nodes_written_through"] > 0, moves
+    assert scheduler.matches_started_at_an_end > 0
 
 
 def prefix_cache_objects_held_by(root: object) -> list[str]:

@@ -49,13 +49,15 @@ import hashlib
 import heapq
 import time
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    DecLockRefResult,
     EvictParams,
     EvictResult,
     IncLockRefResult,
@@ -125,6 +127,8 @@ class V4RadixCache(RadixCache):
         self.host = host_tier
         self.checkpoints: dict[TreeNode, Checkpoint] = {}
         self.made_by: dict[TreeNode, str] = {}  # the request each checkpoint was made for
+        # Where recent finished requests ended, with their tokens up to there (:meth:`_match_node`).
+        self.session_ends: OrderedDict[TreeNode, SessionEnd] = OrderedDict()
         self.reports: CheckpointReports = Unreported()
         self.checkpoint_interval = checkpoint_interval
         # Requests held back because their window slots did not fit (see .admission).
@@ -171,6 +175,7 @@ class V4RadixCache(RadixCache):
             self.manager.checkpoints.release(checkpoint)
         self.checkpoints.clear()
         self.made_by.clear()
+        self.session_ends.clear()
         self.reports.flushed()
         # Checkpoints evicted since, by why they went first (.retention), or with their tokens; and
         # those released when a request resumed past them (per_request).
@@ -203,7 +208,7 @@ class V4RadixCache(RadixCache):
         key = params.key
         if self.disable or len(key) == 0:
             return self._empty_match_result
-        _, node = self._match_prefix_helper(self.root_node, key)
+        node = self._match_node(key)
         while node is not self.root_node and not self._resumable(node):
             node = node.parent
         if node is not self.root_node:
@@ -271,6 +276,8 @@ class V4RadixCache(RadixCache):
         req.kv.cache_protected_len = up_to
         req.lock = self._lock_deeper(req.lock, node)
         req.last_node = node
+        if req.finished():
+            self._remember_session_end(node, key)
 
         made = [self._attach(node, snapshot, req.rid) for snapshot in self.manager.checkpoints.take(row, up_to)]
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
@@ -289,6 +296,45 @@ class V4RadixCache(RadixCache):
         if positions:
             prompt = len(req.origin_input_ids)
             self.reports.made(req.rid, positions, req.full_untruncated_fill_ids[prompt : positions[-1]].tolist())
+
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """SGLang's, a node's leaf status looked at only where its count leaves 0 (a locked node is no evictable
+        leaf, whatever its count): a flat cost a node of the path, not a look at its children."""
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        delta, root = 0, self.root_node
+        while node is not root:
+            if node.lock_ref == 0:
+                size = len(node.key)
+                self.evictable_size_ -= size
+                self.protected_size_ += size
+                delta -= size
+                node.lock_ref = 1
+                self._update_leaf_status(node)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+        return IncLockRefResult(delta=delta)
+
+    def dec_lock_ref(self, node: TreeNode, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        """SGLang's, a node's leaf status looked at only where its count reaches 0 (as :meth:`inc_lock_ref`)."""
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        delta, root = 0, self.root_node
+        while node is not root:
+            if node.lock_ref == 1:
+                size = len(node.key)
+                self.evictable_size_ += size
+                self.protected_size_ -= size
+                delta += size
+                node.lock_ref = 0
+                self._update_leaf_status(node)
+            else:
+                node.lock_ref -= 1
+            if node.parent is None:
+                raise AssertionError("This request holds the node from another tree")
+            node = node.parent
+        return DecLockRefResult(delta=delta)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -387,6 +433,7 @@ class V4RadixCache(RadixCache):
         if node in self.checkpoints:
             self.evictions["with_tokens"] += 1
             self._release(node)
+        self.session_ends.pop(node, None)
         self.manager.entry_ownership.release_slots(node.value)
         super()._delete_leaf(node)
 
@@ -474,6 +521,7 @@ class V4RadixCache(RadixCache):
     def _drop_host_leaf(self, node: TreeNode) -> None:
         """The host-only leaf ``node`` leaves the tree, its host rows with it."""
         self._report_dropped(node, self.host.drop(node))
+        self.session_ends.pop(node, None)
         node.parent.children.pop(node.key.child_key(self.page_size))
         self._update_leaf_status(node.parent)
 
@@ -655,6 +703,71 @@ class V4RadixCache(RadixCache):
 
     _depth = _end
 
+    def _match_node(self, key: RadixKey) -> TreeNode:
+        """The node SGLang's walk from the root along ``key`` ends at (splitting the node it ends inside), access
+        times set as that walk sets them; started, when ``key`` begins with the tokens a recent finished request
+        ended with (:meth:`_session_end_of`), from the node it ended at: the nodes above are not walked, only
+        their access times set."""
+        start = self._session_end_of(key)
+        if start is None:
+            return self._match_prefix_helper(self.root_node, key)[1]
+        access_time, above = time.monotonic(), start
+        while above is not None:
+            above.last_access_time = access_time
+            above = above.parent
+        node = start
+        for node, _ in self._walk(start, key, self._end(start), access_time):
+            pass
+        return node
+
+    def _session_end_of(self, key: RadixKey) -> TreeNode | None:
+        """The deepest remembered end (:meth:`_remember_session_end`) whose tokens ``key`` begins with: a cheap
+        filter (the last token, the namespace), then one compare of the tokens at memory speed. The path from the
+        root to that node holds exactly those tokens: it was inserted with them, and a node's path never changes
+        while it is in the tree (a split keeps the lower part as the node; the nodes that leave drop their end)."""
+        tokens = key.token_ids
+        if key.is_bigram or not _int64_tokens(tokens) or not self.session_ends:
+            return None
+        length, namespace, candidates = len(key), key_namespace(key), []
+        for node, ended in self.session_ends.items():
+            position = ended.position
+            if position <= length and ended.last_token == tokens[position - 1] and ended.namespace == namespace:
+                candidates.append((position, id(node), node, ended.tokens))
+        for position, _, node, ended_with in sorted(candidates, reverse=True):
+            if np.array_equal(ended_with[:position], np.frombuffer(tokens, np.int64, position)):
+                self.session_ends.move_to_end(node)
+                return node
+        return None
+
+    def _remember_session_end(self, node: TreeNode, key: RadixKey) -> None:
+        """A finished request's tokens (``key``) end at ``node``: its session's next turn resends them, so its
+        match starts there (:meth:`_match_node`). The tokens are copied (SGLang's sessions cut and extend a
+        finished request's token array in place) into the buffer of the deepest end remembered on ``node``'s path,
+        which the session moved past: the path's tokens up to that end are in it already (the tree holds the
+        same tokens on the same path), so a turn copies its new tokens only, the buffer grown by a quarter when
+        full. The ends above ``node`` go (one a path), and the ``SESSION_ENDS`` most recent are kept."""
+        if key.is_bigram or not _int64_tokens(key.token_ids):
+            return
+        position = len(key)
+        if position == 0:
+            return
+        buffer, kept, above = None, 0, node
+        while above is not None:
+            ended = self.session_ends.pop(above, None)
+            if ended is not None and buffer is None:
+                buffer, kept = ended.tokens, ended.position
+            above = above.parent
+        tokens = np.frombuffer(key.token_ids, np.int64, position)
+        if buffer is None or len(buffer) < position:
+            grown = np.empty(position + position // 4 + 1024, np.int64)
+            if buffer is not None:
+                grown[:kept] = buffer[:kept]
+            buffer = grown
+        buffer[kept:position] = tokens[kept:]
+        self.session_ends[node] = SessionEnd(position, int(tokens[-1]), key_namespace(key), buffer)
+        if len(self.session_ends) > SESSION_ENDS:
+            self.session_ends.popitem(last=False)
+
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
         """SGLang's walk down from ``node`` along ``key`` (splitting the node it ends inside), by :meth:`_walk`."""
         values = []
@@ -686,13 +799,15 @@ class V4RadixCache(RadixCache):
             node = new_node
         return offset, node
 
-    def _walk(self, node: TreeNode, key: RadixKey) -> Iterator[tuple[TreeNode, int]]:
-        """The nodes below ``node`` that ``key`` runs through, each with the tokens of ``key`` it ends at; one
-        ``key`` ends inside is split there first. Access times set as SGLang's walks set them. ``key`` is read at
-        an offset and compared by :func:`_tokens_matched`: SGLang's walks slice the key's rest at every node."""
-        access_time = time.monotonic()
+    def _walk(
+        self, node: TreeNode, key: RadixKey, offset: int = 0, access_time: float | None = None
+    ) -> Iterator[tuple[TreeNode, int]]:
+        """The nodes below ``node`` (which ends at ``key``'s ``offset``) that ``key`` runs through, each with the
+        tokens of ``key`` it ends at; one ``key`` ends inside is split there first. Access times set as SGLang's walks
+        set them. ``key`` is read at an offset and compared by :func:`_tokens_matched`: SGLang's walks slice the
+        key's rest at every node."""
+        access_time = time.monotonic() if access_time is None else access_time
         node.last_access_time = access_time
-        offset = 0
         while offset < len(key):
             child = node.children.get(key.child_key_at(offset))
             if child is None:
@@ -735,8 +850,10 @@ class V4RadixCache(RadixCache):
                 self.evictable_size_ -= len(below.key)
                 self.protected_size_ += len(below.key)
                 delta -= len(below.key)
-            below.lock_ref += 1
-            self._update_leaf_status(below)
+                below.lock_ref = 1
+                self._update_leaf_status(below)
+            else:
+                below.lock_ref += 1
             below = below.parent
         return TreeLock(node, IncLockRefResult(delta=delta).to_dec_params())
 
@@ -822,6 +939,25 @@ class V4RadixCache(RadixCache):
         when nothing leaked or was freed twice; :meth:`CacheManager.audit`, :meth:`HostTier.audit`)."""
         device = self.manager.audit(list(self.checkpoints.values()))
         return device if self.host is None else {**device, **self.host.audit()}
+
+
+SESSION_ENDS = 64
+"""Finished requests' ends remembered for the next turns' matches, at most one on a path; each holds its tokens (8
+bytes a token, a quarter more of room), so together at most ~1.25x the tokens of 64 of the tree's paths."""
+
+
+class SessionEnd(NamedTuple):
+    """Where a finished request's tokens ended in the tree: the position, the last token, the key's namespace
+    (extra key, cache salt) and a buffer whose first ``position`` values are the tokens up to there."""
+
+    position: int
+    last_token: int
+    namespace: tuple[str | None, str | None]
+    tokens: np.ndarray
+
+
+def key_namespace(key: RadixKey) -> tuple[str | None, str | None]:
+    return key.extra_key, key.cache_salt
 
 
 class Standings:

@@ -159,6 +159,7 @@ def test_what_is_not_built_is_refused_at_launch_naming_the_flag(change, named):
     assert named in str(refusal.value)
 
 
+@pytest.mark.skipif(not mooncake_installed(), reason="the pd extra (Mooncake) is not installed")
 def test_the_decode_radix_cache_is_accepted():
     check_disaggregation(SimpleNamespace(**{**PD_VIEW, "disaggregation_decode_enable_radix_cache": True}))
 

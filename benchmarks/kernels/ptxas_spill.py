@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
 
 from sglang_dsv4.config import named_config
 from sglang_dsv4.kernels.attention import LaunchShape, sparse_decode_attention
+from sglang_dsv4.kernels.hopper_compile import CompiledForHopper
 from sglang_dsv4.kernels.indexer import index_scores
 from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
 from sglang_dsv4.kernels.selection import KVSelection
@@ -35,37 +33,11 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
-class _Hopper:
-    """Triton's active driver while compiling: an sm_90 device that is never launched on."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-
 def compiled_kernels(launch) -> list:
     """The kernels ``launch()`` compiles for sm_90 (compiled only: Triton's ``warmup``)."""
-    kernels, run = [], JITFunction.run
-
-    def compile_only(function, *args, grid, warmup, **kwargs):
-        kernel = run(function, *args, grid=grid, warmup=True, **kwargs)
-        kernels.append(kernel)
-        function.device_caches.clear()
-        return kernel
-
-    driver.set_active(_Hopper())
-    JITFunction.run = compile_only
-    try:
+    with CompiledForHopper() as compiling:
         launch()
-    finally:
-        JITFunction.run = run
-        driver._active = None
-    return kernels
+    return [kernel for _, kernel in compiling.compiled]
 
 
 def loops_of(sass: str) -> list[dict]:

@@ -304,15 +304,7 @@ class V4RadixCache(RadixCache):
             return IncLockRefResult(delta=0)
         delta, root = 0, self.root_node
         while node is not root:
-            if node.lock_ref == 0:
-                size = len(node.key)
-                self.evictable_size_ -= size
-                self.protected_size_ += size
-                delta -= size
-                node.lock_ref = 1
-                self._update_leaf_status(node)
-            else:
-                node.lock_ref += 1
+            delta += self._lock_one(node)
             node = node.parent
         return IncLockRefResult(delta=delta)
 
@@ -322,19 +314,35 @@ class V4RadixCache(RadixCache):
             return DecLockRefResult(delta=0)
         delta, root = 0, self.root_node
         while node is not root:
-            if node.lock_ref == 1:
-                size = len(node.key)
-                self.evictable_size_ += size
-                self.protected_size_ -= size
-                delta += size
-                node.lock_ref = 0
-                self._update_leaf_status(node)
-            else:
-                node.lock_ref -= 1
+            delta += self._unlock_one(node)
             if node.parent is None:
                 raise AssertionError("This request holds the node from another tree")
             node = node.parent
         return DecLockRefResult(delta=delta)
+
+    def _lock_one(self, node: TreeNode) -> int:
+        """``node``'s lock count up one; the change in evictable tokens (its tokens, negated, where it was 0)."""
+        if node.lock_ref != 0:
+            node.lock_ref += 1
+            return 0
+        size = len(node.key)
+        self.evictable_size_ -= size
+        self.protected_size_ += size
+        node.lock_ref = 1
+        self._update_leaf_status(node)
+        return -size
+
+    def _unlock_one(self, node: TreeNode) -> int:
+        """``node``'s lock count down one; the change in evictable tokens (its tokens where it reaches 0)."""
+        if node.lock_ref != 1:
+            node.lock_ref -= 1
+            return 0
+        size = len(node.key)
+        self.evictable_size_ += size
+        self.protected_size_ -= size
+        node.lock_ref = 0
+        self._update_leaf_status(node)
+        return size
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -846,14 +854,7 @@ class V4RadixCache(RadixCache):
             return self.lock(node)
         below = node
         while below is not lock.node:
-            if below.lock_ref == 0:
-                self.evictable_size_ -= len(below.key)
-                self.protected_size_ += len(below.key)
-                delta -= len(below.key)
-                below.lock_ref = 1
-                self._update_leaf_status(below)
-            else:
-                below.lock_ref += 1
+            delta += self._lock_one(below)
             below = below.parent
         return TreeLock(node, IncLockRefResult(delta=delta).to_dec_params())
 

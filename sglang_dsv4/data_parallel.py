@@ -9,7 +9,8 @@ host memory (no CUDA driver) and copy rows with a Triton kernel: :func:`_use_cpu
 those two choices at SGLang's own CPU code before the first DP batch is prepared, which also makes
 SGLang pad idle rows with the backends' ``get_cpu_graph_seq_len_fill_value``; and SGLang registers
 its custom ops for an out-of-tree platform's ``PrivateUse1`` key only, so its collectives' ops
-(the DP gather's all-gather and all-reduce) get their own functions registered for CPU tensors.
+(the DP gather's all-gather and all-reduce, a decode instance's TP LM-head all-to-all) get their own
+functions registered for CPU tensors.
 SGLang's DP controller polls its socket in a loop that never waits, whatever ``--sleep-on-idle``
 says (a core each, taken from the ranks on a CPU host): under that flag it waits for the next
 request on SGLang's own ``IdleSleeper`` between drains (:func:`_event_loop_sleeping_when_idle`).
@@ -30,12 +31,14 @@ from .platform import on_torch_cpu_platform
 _MLP_SYNC = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.prepare_mlp_sync_batch"
 _CONTROLLER_LOOP = "sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop"
 DATA_PARALLEL_HOOKS = (_MLP_SYNC, _CONTROLLER_LOOP)
-# SGLang's collectives registered as custom ops (parallel_state.py), which the DP gather and scatter call.
+# SGLang's collectives registered as custom ops (parallel_state.py), which the DP gather and scatter call, and
+# the all-to-all of the TP LM head that SGLang turns on by default on a decode instance under pure attention DP.
 _COLLECTIVE_OPS = (
     "inplace_all_reduce",
     "outplace_all_reduce",
     "reg_all_gather_into_tensor",
     "reg_reduce_scatter_tensor",
+    "reg_all_to_all_single",
 )
 
 

@@ -24,6 +24,10 @@ SGLang's seams only:
 * the bytes moved are counted from the lengths handed to the transfer engine's ``batch_transfer_sync`` for each
   request's state and reported in ``/server_info`` as ``dsv4_transfer`` (:func:`transfer_report`).
 
+Under attention DP on either instance each rank is a sender or receiver of its own: the DP controllers route by
+``dsv4_cache_aware`` (:mod:`sglang_dsv4.routing`), the prefill rank chosen is posted to the bootstrap server, and
+the decode rank asks for it there (SGLang's ``/register_dp_rank`` and ``/query_dp_ranks``).
+
 On the CPU platform SGLang's sender would pin host memory and record a CUDA event for its indices: the platform
 supplies the plain path (:func:`_no_device_indices_on_cpu`). SGLang's early send of a cached prefix's pages moves
 nothing for V4 (it has no pages to move) and is skipped. What is not built is refused at launch
@@ -129,12 +133,6 @@ def check_disaggregation(view: Any) -> None:
             bool(view.speculative_algorithm),
             f"--speculative-algorithm {view.speculative_algorithm}: the MTP layer's state is not sent across the "
             "pair; speculate on a single server",
-        ),
-        (
-            view.attn_dp_size > 1,
-            f"--attn-dp-size {view.attn_dp_size}: a pair under attention DP is not built for V4 (SGLang pairs any "
-            "prefill rank with any decode rank, but the cache-aware rank routing is off under PD and the pair is "
-            "untested; docs/serving.md)",
         ),
     ]
     for refused, reason in refusals:

@@ -149,7 +149,6 @@ PD_VIEW = dict(
         ),
         ({"disaggregation_enable_kv_checksum": True}, "--disaggregation-enable-kv-checksum"),
         ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
-        ({"attn_dp_size": 2}, "--attn-dp-size 2"),
     ],
 )
 def test_what_is_not_built_is_refused_at_launch_naming_the_flag(change, named):
@@ -160,8 +159,9 @@ def test_what_is_not_built_is_refused_at_launch_naming_the_flag(change, named):
 
 
 @pytest.mark.skipif(not mooncake_installed(), reason="the pd extra (Mooncake) is not installed")
-def test_the_decode_radix_cache_is_accepted():
-    check_disaggregation(SimpleNamespace(**{**PD_VIEW, "disaggregation_decode_enable_radix_cache": True}))
+@pytest.mark.parametrize("change", [{"disaggregation_decode_enable_radix_cache": True}, {"attn_dp_size": 2}])
+def test_the_decode_radix_cache_and_attention_dp_are_accepted(change):
+    check_disaggregation(SimpleNamespace(**{**PD_VIEW, **change}))
 
 
 def test_without_disaggregation_nothing_is_checked():

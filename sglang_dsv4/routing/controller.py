@@ -1,4 +1,5 @@
-"""``--load-balance-method dsv4_cache_aware`` in SGLang's DP controller: the default under attention DP.
+"""``--load-balance-method dsv4_cache_aware`` in SGLang's DP controller: the default under attention DP, on one
+server and on each instance of a prefill/decode pair.
 
 SGLang's controller picks its dispatch function from a fixed enum (``LoadBalanceMethod``) and
 table, and its CLI from a fixed list of choices. ``auto`` resolves to it for a V4 checkpoint under
@@ -60,13 +61,19 @@ def _default_under_attention_dp() -> None:
 
 
 def _resolve_auto(server_args: Any, previous) -> None:
-    """``auto`` is ``dsv4_cache_aware`` for a V4 checkpoint under attention DP outside PD disaggregation;
-    otherwise SGLang resolves it (``round_robin``, or ``follow_bootstrap_room`` on a prefill server)."""
+    """``auto`` is ``dsv4_cache_aware`` for a V4 checkpoint under attention DP, on one server and on either
+    instance of a PD pair; otherwise SGLang resolves it (``round_robin``, or ``follow_bootstrap_room`` on a
+    prefill server).
+
+    On a prefill instance any method but ``follow_bootstrap_room`` makes SGLang's sender post the rank a
+    request landed on to the bootstrap server (``/register_dp_rank``) and the bootstrap server tell decode
+    instances to ask for it (``/query_dp_ranks``): the decode rank fetches the state from the rank chosen here.
+    """
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
     cfg = resolving_view(server_args)
-    ours = cfg.load_balance_method == "auto" and cfg.attn_dp_size > 1 and cfg.disaggregation_mode == "null"
+    ours = cfg.load_balance_method == "auto" and cfg.attn_dp_size > 1
     if ours and is_v4_checkpoint(model_config_of(server_args).hf_config):
         declare_resolution(server_args, "sglang_dsv4.routing", load_balance_method=METHOD)
     previous(server_args)

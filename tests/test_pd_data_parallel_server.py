@@ -11,7 +11,9 @@ from each side: the decode rank from the reply's ``meta_info["dp_rank"]``, the p
 ``dsv4_transfer`` report (the rank that sent a state), and each side's router report (``dsv4_routing``: requests
 routed, those it predicted a cached prefix for). The bytes each prefill rank submitted to the transfer engine are the
 ledger's state past the prefix the decode rank held. After the sessions and after aborts, every row is back on
-every rank of both instances.
+every rank of both instances. DP on one instance only: a plain decode instance paired with the DP prefill instance,
+and a plain prefill instance with the DP decode instance, each started for its test, serve a two-turn session as one
+server does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import requests
 from conftest import random_ids
 from serving_checks import assert_pools_idle, greedy
 from test_containment import INNOCENT_VOCAB
-from test_pd_server import TRANSFER, PDRequest, failed, layout, timed_out
+from test_pd_server import DECODE_ARGS as PLAIN_DECODE_ARGS
+from test_pd_server import PREFILL_ARGS as PLAIN_PREFILL_ARGS
+from test_pd_server import PDRequest, failed, layout, timed_out
 
 from sglang_dsv4.disaggregation import mooncake_installed
 from sglang_dsv4.launch import free_port, running_pd_router, running_server, smg_command
@@ -37,17 +41,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 DP_ARGS = ("--tp", "2", "--attn-dp-size", "2", "--ep-size", "2")
-PREFILL_ARGS = ("--dtype", "float32", *DP_ARGS, *TRANSFER, "--disaggregation-mode", "prefill",
-                "--chunked-prefill-size", "128")  # fmt: skip
-DECODE_ARGS = ("--dtype", "float32", *DP_ARGS, *TRANSFER, "--disaggregation-mode", "decode",
-               "--disaggregation-decode-enable-radix-cache")  # fmt: skip
-# A DP-2 instance starts its DP controller, two schedulers joined by gloo and a tokenizer: minutes on this host.
+# The plain pair's instances (chunked prefill of 128 on the prefill side, the decode radix cache), each at DP 2.
+PREFILL_ARGS, DECODE_ARGS = (*PLAIN_PREFILL_ARGS, *DP_ARGS), (*PLAIN_DECODE_ARGS, *DP_ARGS)
+# A DP-2 instance starts its DP controller, two schedulers joined by gloo and a tokenizer: a minute or more here.
 STARTUP_S = 600
 SESSIONS, TURN_TOKENS, NEW_TOKENS = 2, (300, 150, 150), 12
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
+    """The two instances started one after the other (in a run that overlapped their starts, each prefill rank's
+    first transfer stalled in Mooncake's TCP transport: not explained, docs/serving.md), and smg in front."""
     os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     bootstrap = free_port()
     with (
@@ -218,3 +222,59 @@ def test_an_abort_sent_to_the_prefill_instance_while_it_prefills_ends_the_reques
         assert_pools_idle(pair[side])
     prompt = new_tokens(8, 0)
     assert greedy(pair["router"], prompt, 4) == greedy(tiny_server, prompt, 4)
+
+
+def two_turns(prefill: str, decode: str, bootstrap: int, tiny_server: str, seed: int) -> list[dict]:
+    """A two-turn session sent to the two instances as a PD router sends it: outputs equal one server's; per turn
+    the decode reply and the prefill instance's per-rank transfer reports before and after."""
+    prompt, turns = new_tokens(seed, 0), []
+    for turn in range(2):
+        before = rank_states(prefill)
+        replies = PDRequest(prefill, decode, bootstrap, prompt, f"one-side-{seed}-{turn}", new_tokens=NEW_TOKENS).wait()
+        assert replies["prefill"].status_code == 200 and replies["decode"].status_code == 200, replies
+        reply = replies["decode"].json()
+        assert reply["output_ids"] == greedy(tiny_server, prompt, NEW_TOKENS)
+        sent = {"sent": ({r: s["dsv4_transfer"] for r, s in before.items()},
+                         {r: s["dsv4_transfer"] for r, s in rank_states(prefill).items()})}  # fmt: skip
+        turns.append({"prompt": prompt, "reply": reply, **sent})
+        prompt = prompt + reply["output_ids"] + new_tokens(seed, 1)
+    return turns
+
+
+def the_ledgers_bytes(turns: list[dict], tiny_path: Path) -> set[int]:
+    """Each turn moved the ledger's state past what the decode instance held, from one prefill rank: the ranks."""
+    ranks = set()
+    for entry in turns:
+        before, after = entry["sent"]
+        sent = change(before, after, "states_sent")
+        (rank,) = (rank for rank, count in sent.items() if count)
+        held = change(before, after, "decode_prefix_tokens")[rank]
+        moved = change(before, after, "bytes_sent")[rank]
+        assert moved == layout(tiny_path).state_bytes_past(held, len(entry["prompt"]))
+        ranks.add(rank)
+    return ranks
+
+
+def test_a_prefill_instance_under_dp_pairs_with_a_decode_instance_without(pair, tiny_server, tiny_path, log_dir):
+    """The decode instance asks the prefill instance's bootstrap server for the rank each room landed on; the
+    session's second turn goes to the prefill rank holding its checkpoints."""
+    with running_server(tiny_path, *PLAIN_DECODE_ARGS, "--disaggregation-bootstrap-port", str(free_port()),
+                        log_path=log_dir / "pd-plain-decode.log") as decode:  # fmt: skip
+        turns = two_turns(pair["prefill"], decode, pair["bootstrap"], tiny_server, seed=11)
+        assert len(the_ledgers_bytes(turns, tiny_path)) == 1
+        assert_pools_idle(decode)
+    assert_pools_idle(pair["prefill"])
+
+
+def test_a_decode_instance_under_dp_pairs_with_a_prefill_instance_without(pair, tiny_server, tiny_path, log_dir):
+    """The decode ranks fetch from the prefill instance's one rank; the session's second turn goes to the decode rank
+    that resumed its first."""
+    bootstrap = free_port()
+    with running_server(tiny_path, *PLAIN_PREFILL_ARGS, "--disaggregation-bootstrap-port", str(bootstrap),
+                        log_path=log_dir / "pd-plain-prefill.log") as prefill:  # fmt: skip
+        turns = two_turns(prefill, pair["decode"], bootstrap, tiny_server, seed=12)
+        assert the_ledgers_bytes(turns, tiny_path) == {0}
+        assert turns[0]["reply"]["meta_info"]["dp_rank"] == turns[1]["reply"]["meta_info"]["dp_rank"]
+        assert change(*turns[1]["sent"], "decode_prefix_tokens")[0] > 0
+        assert_pools_idle(prefill)
+    assert_pools_idle(pair["decode"])

@@ -173,3 +173,70 @@ def test_a_decode_step_short_of_window_slots_makes_room_as_reserving_row_after_r
             manager.tables.begin_forward()
         assert_same(batched, oracle)
     assert fell_back > 0
+
+
+class GiveBacks:
+    """Counts the calls that make room for window slots (what a decode check short of free slots runs)."""
+
+    def __init__(self, manager: CacheManager, monkeypatch) -> None:
+        self.calls = 0
+        for owner, name in ((manager.tables, "keep_only_what_forwards_read"), (manager.checkpoints, "drop_newest"),
+                            (manager.tree, "keep_only_resumed_windows")):  # fmt: skip
+            monkeypatch.setattr(owner, name, self.counted(getattr(owner, name)))
+
+    def counted(self, function):
+        def call(*args, **kwargs):
+            self.calls += 1
+            return function(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("window_slots, interval", [(ROWS * 70, 16), (ROWS * 40, 0), (ROWS * 70, 8)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_decode_step_takes_at_most_the_window_slots_the_decode_check_counts(window_slots, interval, seed, monkeypatch):
+    """Under ``per_request`` the decode check counts one slot a row less the rows whose oldest slot comes back
+    free as they move on: with that many free, reserving the step row after row (snapshots planned in it too)
+    never runs short, makes no room, and takes no more than counted."""
+    rng = random.Random(seed)
+    manager = manager_of(PER_REQUEST, window_slots, interval)
+    tables, slots = manager.tables, manager.storage.window_slots
+    give_backs = GiveBacks(manager, monkeypatch)
+    for step in range(150):
+        free_rows = [row for row in range(1, ROWS + 1) if not tables.bound[row]]
+        for row in free_rows[: rng.randint(0, 1) if slots.free > 160 else 0]:  # admitted while a window fits
+            manager.start(row, rng.randint(1, 150))
+            tables.begin_forward()
+        batch = [row for row in range(1, ROWS + 1) if tables.bound[row] and rng.random() < 0.8]
+        if any(tables.position[row] + 1 > CONTEXT for row in batch):
+            break
+        counted, free, calls = manager.window_slots_for_decode(batch, 1), slots.free, give_backs.calls
+        if free < counted:
+            manager.room_for_windows(counted)  # the check's room, made as before
+            free, calls = slots.free, give_backs.calls
+        reserve_row_after_row(manager, batch, [tables.position[row] + 1 for row in batch])
+        assert free - slots.free <= counted
+        assert give_backs.calls == calls
+        tables.begin_forward()
+        for row in batch:
+            if rng.random() < 0.03:
+                manager.free(row)
+
+
+def test_a_full_pool_of_windows_decodes_on_the_slots_its_rows_let_go(monkeypatch):
+    """Every window slot held by rows decoding past their windows (a served rank at its boundary): each step is
+    counted at zero slots from what is free, and reserving it recycles each row's oldest slot, making no room."""
+    rows, prompt = [1, 2, 3, 4], 200
+    manager = manager_of(PER_REQUEST, len(rows) * (load_config(TINY).sliding_window + 2), 0)
+    tables, slots = manager.tables, manager.storage.window_slots
+    for row in rows:
+        manager.start(row, prompt)
+        tables.begin_forward()
+    give_backs = GiveBacks(manager, monkeypatch)
+    for step in range(1, 20):
+        assert manager.room_for_windows(manager.window_slots_for_decode(rows, 1))  # SGLang's decode check
+        reserve_row_after_row(manager, rows, [prompt + step] * len(rows))
+        tables.begin_forward()
+        if step >= 2:  # every row holds its window and the slot before it
+            assert slots.free < len(rows) and manager.window_slots_for_decode(rows, 1) == 0
+    assert slots.free == 0 and give_backs.calls == 0

@@ -275,8 +275,21 @@ class RequestTables:
     def window_slots_for_forward(self, tokens: int) -> int:
         """Window slots of its own a forward of ``tokens`` new tokens of one row takes: those of its
         last ``window + 1`` tokens (what the next forward and a checkpoint one decode step late read).
-        The one count that SGLang's admission and decode checks ask room for."""
+        The count SGLang's admission check asks room for (its decode check: :meth:`window_slots_for_decode_steps`)."""
         return min(tokens, self.window + 1)
+
+    def window_slots_for_decode_steps(self, rows: list[int]) -> int:
+        """Window slots of their own one decode step of each of ``rows`` takes from what is free, reserved as
+        ``per_request`` reserves it (:meth:`trim_to_forward`, then a slot for the new token): one a row, less one
+        for each launched row whose oldest slot goes as it moves on and comes back free (no checkpoint shares it).
+        A count, nothing changed: SGLang's decode check asks room for it, so that a full pool whose rows recycle
+        their slots decodes without a pass over every row to make room (:meth:`keep_only_what_forwards_read`)."""
+        window = self.window
+        lets_go = [r for r in rows if r not in self.unlaunched and self.held_from[r] < self.position[r] - window - 1]
+        if not lets_go:
+            return len(rows)
+        oldest = self.window_table[torch.tensor(lets_go), torch.tensor([self.held_from[r] for r in lets_go])]
+        return len(rows) - int(((oldest > 0) & (self.window_slots.refs[oldest] == 1)).sum())  # host tensors
 
     def entry_rows_for_forward(self, row: int, target: int) -> dict[int, int]:
         """Per ratio, the entry rows a forward of the row up to ``target`` tokens takes (its new blocks)."""

@@ -5,7 +5,9 @@ decoding requests when the next step's do not (``ScheduleBatch.check_decode_mem`
 ``retract_decode`` asks again after each request it retracts). A V4 forward also needs
 window slots of its own: the last ``sliding_window + 1`` tokens of every request in it. Both
 checks here ask for the count that reserving the forwards' rows takes
-(:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.window_slots_for_forward`), freed
+(:meth:`~sglang_dsv4.memory_pool.request_tables.RequestTables.window_slots_for_forward`; a decode step of a
+row whose window is full recycles its oldest slot:
+:meth:`~sglang_dsv4.prefix_cache.manager.CacheManager.window_slots_for_decode`), freed
 the way reserving frees it (rows' slots beyond what forwards read, the checkpoints worth least,
 snapshots not taken yet), and then answer as SGLang does when its token pool runs out: the
 request stays queued (``NO_TOKEN``), or decoding requests are retracted, and the
@@ -44,8 +46,9 @@ def _admit_within_window_slots(add_one_req, adder, req, *args, **kwargs):
 
 
 def _decode_within_window_slots(check_decode_mem, batch, selected_indices=None):
-    """The next decode step fits SGLang's token pool and the window slots (one per request, or under speculation
-    one per token of a verify forward)."""
+    """The next decode step fits SGLang's token pool and the window slots it takes from what is free (a request
+    whose window is full recycles its oldest slot under ``per_request``; under speculation one per token of a
+    verify forward)."""
     from .tree import V4RadixCache
 
     if not check_decode_mem(batch, selected_indices):
@@ -53,9 +56,9 @@ def _decode_within_window_slots(check_decode_mem, batch, selected_indices=None):
     tree = batch.tree_cache
     if not isinstance(tree, V4RadixCache):
         return True
-    count = len(batch.reqs) if selected_indices is None else len(selected_indices)
+    reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
     tokens = max(1, tree.manager.storage.verify_tokens)
-    if tree.room_for_windows(count * tree.window_slots_for_forward(tokens)):
+    if tree.room_for_windows(tree.window_slots_for_decode([req.kv.req_pool_idx for req in reqs], tokens)):
         return True
     tree.note_held_back("decode_retractions")
     return False

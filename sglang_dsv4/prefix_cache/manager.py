@@ -117,6 +117,15 @@ class CacheManager:
         """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
         return self.tables.window_slots_for_forward(tokens)
 
+    def window_slots_for_decode(self, rows: list[int], tokens: int) -> int:
+        """Window slots of their own the next forward of the decoding ``rows``, ``tokens`` each (one, or a verify
+        forward's), takes from what is free: under ``per_request`` a decode step of a row whose window is full
+        recycles its oldest slot (:meth:`RequestTables.window_slots_for_decode_steps`); else what a forward of
+        ``tokens`` takes, a row."""
+        if tokens == 1 and self.window_policy is PER_REQUEST:
+            return self.tables.window_slots_for_decode_steps(rows)
+        return len(rows) * self.window_slots_for_forward(tokens)
+
     def room_for_windows(self, count: int) -> bool:
         """Whether forwards can have ``count`` window slots of their own, made as reserving makes
         them (SGLang's admission and decode checks ask before the forwards' rows are reserved)."""

@@ -367,6 +367,10 @@ class V4RadixCache(RadixCache):
         """Window slots of its own a forward of ``tokens`` new tokens takes (reserving it takes as many)."""
         return self.manager.window_slots_for_forward(tokens)
 
+    def window_slots_for_decode(self, rows: list[int], tokens: int) -> int:
+        """Window slots of their own the next forward of the decoding ``rows`` takes (:class:`CacheManager`)."""
+        return self.manager.window_slots_for_decode(rows, tokens)
+
     def room_for_windows(self, count: int, keep: TreeNode | None = None) -> bool:
         """Whether ``count`` window slots can be had, evicting checkpoints but the one at ``keep``
         (the match of the request asking, not locked yet)."""

@@ -112,6 +112,7 @@ class Scheduler:
         self.count = 0
         self.matches_started_at_an_end = 0  # checked matches that started at a remembered session end
         self.resumes = {"device": 0, "host": 0}
+        self.resumes_reading_path_entries = 0  # resumed at a session's end, its entries read in path order
         # What each cached checkpoint's resume reads, taken when it was made (rows hold random bytes that
         # forwards "wrote"), checked at every resume from either tier.
         self.resume_states = ResumeStates(self)
@@ -122,7 +123,8 @@ class Scheduler:
         if not self.rows.available_size():
             return
         base = self.rng.choice(self.sequences)
-        keep = self.rng.randrange(len(base) + 1)
+        # A quarter are a session's next turn, resending its history whole; the others fork off a part of it.
+        keep = len(base) if self.rng.random() < 0.25 else self.rng.randrange(len(base) + 1)
         tokens = base[:keep] + [self.rng.randrange(4) for _ in range(self.rng.randrange(2, 300))]
         tokens = tokens[: CONTEXT - 40]
         match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:-1]))))
@@ -151,6 +153,8 @@ class Scheduler:
         req.kv.cache_protected_len = req.prefix_len
         req.kv.kv_allocated_len = len(tokens)
         self.resume_states.requests[req.rid] = req
+        ended = self.tree.session_ends.get(req.last_node)
+        self.resumes_reading_path_entries += ended is not None and ended.entries is not None
         self.tree.maybe_hand_to_session(req)
         if req.prefix_len:
             self.resume_states.check(req)
@@ -371,7 +375,7 @@ def check_evictable_leaves(tree: V4RadixCache) -> None:
 
 def check_session_ends(tree: V4RadixCache) -> None:
     """Every remembered session end is a node in the tree whose path holds exactly the tokens remembered, one on
-    a path."""
+    a path, and (on the device) exactly the entry rows remembered."""
     assert len(tree.session_ends) <= tree_module.SESSION_ENDS
     for node, ended in tree.session_ends.items():
         assert tree._attached(node)
@@ -383,6 +387,13 @@ def check_session_ends(tree: V4RadixCache) -> None:
         path = sum(reversed(keys), array("q"))
         assert path.tolist() == ended.tokens[: ended.position].tolist()
         assert ended.position == len(path) == tree._end(node)
+        if node.evicted:
+            assert ended.entries is None  # written back to the host: the path's entries are others when loaded back
+        if ended.entries is not None:  # the path's entry rows in block order, as gathered by its token slots
+            assert ended.entries.position == ended.position
+            gathered = tree.manager.entry_ownership.of_prefix(tree.path_device_indices(node), ended.position)
+            for ratio, rows in ended.entries.of_prefix(ended.position).items():
+                assert torch.equal(rows, gathered[ratio])
 
 
 def check_tiers(tree: V4RadixCache) -> None:
@@ -470,6 +481,7 @@ def test_ten_thousand_random_operations_keep_the_tree_and_the_pools_consistent(t
         assert skipped[scarce] > 0, skipped
     if scarce != "records":  # (three records rarely outlive the requests that make them)
         assert scheduler.resumes["device"] > 0, scheduler.resumes
+        assert scheduler.resumes_reading_path_entries > 0  # a session's next turn bound with its end's entries
     if host:  # prefixes went to the host, and requests resumed from there
         assert scheduler.resumes["host"] > 0 and moves["checkpoints_loaded_back"] > 0, (scheduler.resumes, moves)
     if host == "small_host":

@@ -48,16 +48,17 @@ def has_device_twins(device: torch.device | str) -> bool:
 
 
 LONG_SPAN = 4096
-"""Columns from which a row's span written at once is noted as a span, copied as one slice at the flush, rather than
-cell by cell, sorted with every other noted cell (a resumed prefix's entries, a long row's freed)."""
+"""Columns from which a row's span written at once is noted as a span, copied as one slice at the flush (or, set to
+one value, filled with it there), rather than cell by cell, sorted with every other noted cell (a resumed prefix's
+entries, a long row's freed)."""
 
 
 class MirroredTable:
     """An int64 table of pool rows written on the host, read by forwards from its ``device`` twin.
 
-    :meth:`write` changes the host table at once and notes the cells (a long span as a span); :meth:`flush`
-    copies the noted cells' current values to the twin, so the last write of a cell wins however often the
-    scheduler rewrote it in between.
+    :meth:`write` changes the host table at once and notes the cells (a long span as a span, or as a fill where it
+    was set to one value); :meth:`flush` fills the noted fills on the twin first, then copies the other noted cells'
+    current values, so the last write of a cell wins however often the scheduler rewrote it in between.
     """
 
     def __init__(self, rows: int, columns: int, device: torch.device):
@@ -65,6 +66,7 @@ class MirroredTable:
         self.device = torch.zeros_like(self.host, device=device) if has_device_twins(device) else self.host
         self._changed: list[torch.Tensor] = []
         self._spans: list[tuple[int, int, int]] = []  # (row, first column, end column)
+        self._fills: list[tuple[int, int, int, int]] = []  # (row, first column, end column, value)
 
     def write(self, row: int, columns: torch.Tensor | slice, values: torch.Tensor | int) -> None:
         """``host[row, columns] = values``, and the cells noted for the next flush."""
@@ -74,7 +76,10 @@ class MirroredTable:
             if isinstance(columns, slice):
                 first, end, step = columns.indices(width)
                 if step == 1 and end - first >= LONG_SPAN:
-                    self._spans.append((row, first, end))
+                    if isinstance(values, int):  # (a freed row's: filled on the device, nothing copied)
+                        self._fills.append((row, first, end, values))
+                    else:
+                        self._spans.append((row, first, end))
                     return
                 columns = torch.arange(first, end, step)
             self._changed.append(row * width + columns)
@@ -91,6 +96,10 @@ class MirroredTable:
         return 0 if self.device is self.host else self.device.numel() * self.device.element_size()
 
     def flush(self) -> None:
+        # The fills first: a cell written after its fill gets the host's current value from a span or the cells.
+        for row, first, end, value in self._fills:
+            self.device[row, first:end] = value
+        self._fills.clear()
         # Host to device, never waited for: the host values are copied out before the call returns (the spans'
         # and the cells' alike: both read the host's current values, so their order does not matter).
         for row, first, end in self._spans:

@@ -184,11 +184,19 @@ class Checkpoints:
         storage.window_slots.share(slots)
         return Checkpoint(position, slots, int(record[0]))
 
-    def resume(self, row: int, checkpoint: Checkpoint, prefix_slots: torch.Tensor) -> None:
+    def resume(
+        self,
+        row: int,
+        checkpoint: Checkpoint,
+        prefix_slots: torch.Tensor,
+        prefix_entries: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         """Bind the free row ``row`` to continue from ``checkpoint``, whose prefix's token slots are
         ``prefix_slots``, cached by the tree and locked by the request (the row shares the checkpoint's window
         slots and borrows its prefix's entry rows: written into its table, no reference counted on them, so
-        binding and freeing the row cost its new tokens, not its history).
+        binding and freeing the row cost its new tokens, not its history). The entry rows are ``prefix_entries``
+        where the tree holds them in path order (per ratio, those of the prefix's complete blocks: a session's end,
+        ``V4RadixCache.session_ends``), else gathered by the prefix's token slots (:meth:`EntryOwnership.of_prefix`).
 
         Borrowing is safe because the tree keeps those entry rows for as long as the row is bound. They live
         as long as the tree holds the token slots of their blocks' last tokens (:class:`EntryOwnership`),
@@ -207,7 +215,7 @@ class Checkpoints:
         audit checks it: no borrowed row of a bound row is free (:meth:`CacheManager.audit`).
         """
         position = checkpoint.position
-        entries = self.entry_ownership.of_prefix(prefix_slots, position)
+        entries = prefix_entries or self.entry_ownership.of_prefix(prefix_slots, position)
         window = checkpoint.window[-self.storage.config.sliding_window :]
         self.storage.tables.bind(row, position, window, borrowed_entries=entries)
         self.storage.restore_record(row, checkpoint.record)

@@ -61,6 +61,15 @@ class EntryOwnership:
             raise AssertionError("a checkpoint's prefix has a block without an entry row")
         return entries
 
+    def of_positions(self, slots: torch.Tensor, first: int, last: int) -> dict[int, torch.Tensor]:
+        """Per ratio, the entry rows of the blocks ending at positions ``first .. last - 1`` of a cached prefix whose
+        token slots from position ``first`` on are ``slots`` (the blocks ``first // r`` up to ``last // r - 1``)."""
+        ends_of = self._block_ends(first, last)
+        entries = {r: torch.index_select(self.of_slot[r], 0, slots[ends - first]) for r, ends in ends_of.items()}
+        if any(len(rows) and int(rows.min()) == 0 for rows in entries.values()):
+            raise AssertionError("a cached prefix has a block without an entry row")
+        return entries
+
     def _block_ends(self, first: int, last: int) -> dict[int, torch.Tensor]:
         """Per ratio, the positions in ``first .. last - 1`` that end a block."""
         starts = {r: first + (-first - 1) % r for r in self.of_slot}

@@ -66,6 +66,16 @@ class NothingCached:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Where a row resumes: a checkpoint of the tree's, its prefix's token slots and, where the tree holds them in
+    path order, its prefix's entry rows per ratio (:meth:`Checkpoints.resume`)."""
+
+    checkpoint: Checkpoint
+    prefix_slots: torch.Tensor
+    prefix_entries: dict[int, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
 class LoadBackRows:
     """Device rows for a cached prefix coming back from the host tier: its entry rows per ratio, and its
     checkpoint's window slots and record (none when it comes back without one)."""
@@ -89,13 +99,13 @@ class CacheManager:
 
     # --- a request row's forwards ---------------------------------------------------------------
 
-    def start(self, row: int, target: int, resume: tuple[Checkpoint, torch.Tensor] | None = None) -> None:
-        """Bind the free ``row`` — fresh, or continuing from a checkpoint whose prefix's token slots
-        are given — and reserve its first forward, up to ``target`` tokens."""
+    def start(self, row: int, target: int, resume: Resume | None = None) -> None:
+        """Bind the free ``row`` — fresh, or continuing from a checkpoint (:class:`Resume`) — and reserve its first
+        forward, up to ``target`` tokens."""
         if resume is None:
             self.tables.bind(row)
         else:
-            self.checkpoints.resume(row, *resume)
+            self.checkpoints.resume(row, resume.checkpoint, resume.prefix_slots, resume.prefix_entries)
         self.reserve(row, target)
 
     def reserve(self, row: int, target: int) -> None:

@@ -74,8 +74,9 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from ..memory_pool.checkpoint import Checkpoint
 from ..settings import PREFIX_HITS, WINDOW_POLICIES
 from . import CHECKPOINT_RETENTIONS
+from .entry_ownership import EntryOwnership
 from .host_tier import HostTier, HostTokens
-from .manager import CacheManager
+from .manager import CacheManager, Resume
 from .prefix_hits import ALIGNED_PAGE, PREFIX_HITS_OF
 from .retention import BY_WORTH, RETENTION_OF, Standing, standing
 from .window_policy import WINDOW_POLICY_OF
@@ -277,7 +278,7 @@ class V4RadixCache(RadixCache):
         req.lock = self._lock_deeper(req.lock, node)
         req.last_node = node
         if req.finished():
-            self._remember_session_end(node, key)
+            self._remember_session_end(node, key, row)
 
         made = [self._attach(node, snapshot, req.rid) for snapshot in self.manager.checkpoints.take(row, up_to)]
         # A checkpoint at ``up_to`` itself: resumable in exact mode. A finished request's, under
@@ -355,10 +356,13 @@ class V4RadixCache(RadixCache):
             return  # a later chunk of a running request
         resume = None
         if req.prefix_len > 0:
-            checkpoint = self.checkpoints.get(req.last_node)
-            if checkpoint is None or checkpoint.position != req.prefix_len:
-                raise AssertionError(f"request {req.rid} matched {req.prefix_len} tokens without a checkpoint there")
-            resume = (checkpoint, self.req_to_token_pool.req_to_token[row, : req.prefix_len])
+            node, length = req.last_node, req.prefix_len
+            checkpoint = self.checkpoints.get(node)
+            if checkpoint is None or checkpoint.position != length:
+                raise AssertionError(f"request {req.rid} matched {length} tokens without a checkpoint there")
+            ended = self.session_ends.get(node)
+            entries = None if ended is None or ended.entries is None else ended.entries.of_prefix(length)
+            resume = Resume(checkpoint, self.req_to_token_pool.req_to_token[row, :length], entries)
             if self.retention.marks_superseded:
                 self._supersede_above(req.last_node)
         self.manager.start(row, req.kv.kv_allocated_len, resume)
@@ -486,6 +490,9 @@ class V4RadixCache(RadixCache):
             self.host.moves["write_backs_skipped"] += 1
             return False
         self.host.write_back(node, node.value, checkpoint, ownership)
+        ended = self.session_ends.get(node)
+        if ended is not None:  # its entry rows go (loaded back, the path has others); its tokens stay true
+            self.session_ends[node] = ended._replace(entries=None)
         if checkpoint is not None:
             self.manager.checkpoints.release(self.checkpoints.pop(node))
         ownership.release_slots(node.value)
@@ -751,23 +758,25 @@ class V4RadixCache(RadixCache):
                 return node
         return None
 
-    def _remember_session_end(self, node: TreeNode, key: RadixKey) -> None:
-        """A finished request's tokens (``key``) end at ``node``: its session's next turn resends them, so its
-        match starts there (:meth:`_match_node`). The tokens are copied (SGLang's sessions cut and extend a
-        finished request's token array in place) into the buffer of the deepest end remembered on ``node``'s path,
-        which the session moved past: the path's tokens up to that end are in it already (the tree holds the
-        same tokens on the same path), so a turn copies its new tokens only, the buffer grown by a quarter when
-        full. The ends above ``node`` go (one a path), and the ``SESSION_ENDS`` most recent are kept."""
+    def _remember_session_end(self, node: TreeNode, key: RadixKey, row: int) -> None:
+        """A finished request's tokens (``key``) end at ``node``, and its row ``row`` reads the tree's token slots up
+        to there: its session's next turn resends them, so its match starts there (:meth:`_match_node`), and it
+        resumes from there with the entry rows of the path (:meth:`maybe_hand_to_session`). The tokens are copied
+        (SGLang's sessions cut and extend a finished request's token array in place) into the buffer of the deepest
+        end remembered on ``node``'s path, which the session moved past: the path's tokens up to that end are in it
+        already (the tree holds the same tokens on the same path), so a turn copies its new tokens only, the buffer
+        grown by a quarter when full; and so are the path's entry rows (:class:`PathEntries`). The ends above
+        ``node`` go (one a path), and the ``SESSION_ENDS`` most recent are kept."""
         if key.is_bigram or not _int64_tokens(key.token_ids):
             return
         position = len(key)
         if position == 0:
             return
-        buffer, kept, above = None, 0, node
+        buffer, kept, entries, above = None, 0, None, node
         while above is not None:
             ended = self.session_ends.pop(above, None)
             if ended is not None and buffer is None:
-                buffer, kept = ended.tokens, ended.position
+                buffer, kept, entries = ended.tokens, ended.position, ended.entries
             above = above.parent
         tokens = np.frombuffer(key.token_ids, np.int64, position)
         if buffer is None or len(buffer) < position:
@@ -776,7 +785,10 @@ class V4RadixCache(RadixCache):
                 grown[:kept] = buffer[:kept]
             buffer = grown
         buffer[kept:position] = tokens[kept:]
-        self.session_ends[node] = SessionEnd(position, int(tokens[-1]), key_namespace(key), buffer)
+        entries = PathEntries.extended(
+            entries, self.manager.entry_ownership, self.req_to_token_pool.req_to_token[row], position, len(buffer)
+        )
+        self.session_ends[node] = SessionEnd(position, int(tokens[-1]), key_namespace(key), buffer, entries)
         if len(self.session_ends) > SESSION_ENDS:
             self.session_ends.popitem(last=False)
 
@@ -947,18 +959,60 @@ class V4RadixCache(RadixCache):
 
 
 SESSION_ENDS = 64
-"""Finished requests' ends remembered for the next turns' matches, at most one on a path; each holds its tokens (8
-bytes a token, a quarter more of room), so together at most ~1.25x the tokens of 64 of the tree's paths."""
+"""Finished requests' ends remembered for the next turns' matches and binds, at most one on a path; each holds its
+tokens (8 bytes a token) and its path's entry rows (8 bytes a block of each ratio), a quarter more of room, so
+together at most ~1.25x the tokens and entries of 64 of the tree's paths."""
+
+
+class PathEntries:
+    """The entry rows of a cached path's complete blocks, per ratio in block order (a buffer whose first
+    ``position // ratio`` values are the rows of the path up to ``position``): a session's end keeps them so that a
+    turn resumed there reads them as one contiguous run, not gathered by the prefix's token slots.
+
+    They stay true while the path's nodes are on the device: a block's entry row is the tree's for as long as the
+    tree holds the slot of its last token (:class:`EntryOwnership`), and nodes above a device node are on the device
+    (SGLang evicts leaves first). The end's node written back to the host, its entries are forgotten."""
+
+    def __init__(self, rows: dict[int, torch.Tensor], position: int):
+        self.rows, self.position = rows, position
+
+    @classmethod
+    def extended(
+        cls, kept: PathEntries | None, ownership: EntryOwnership, slots: torch.Tensor, position: int, room: int
+    ) -> PathEntries:
+        """The entries of a path up to ``position`` whose token slots are ``slots`` (from position 0): those of
+        ``kept`` (its upper part, or none) and the blocks after it, gathered from ``ownership``; kept's buffers when
+        they have room, else new ones with room for ``room`` tokens."""
+        first = 0 if kept is None else kept.position
+        new = ownership.of_positions(slots[first:position], first, position)
+        rows = {}
+        for ratio, added in new.items():
+            have = first // ratio
+            buffer = None if kept is None else kept.rows[ratio]
+            if buffer is None or len(buffer) < position // ratio:
+                grown = torch.empty(room // ratio + 1, dtype=added.dtype)
+                if buffer is not None:
+                    grown[:have] = buffer[:have]
+                buffer = grown
+            buffer[have : have + len(added)] = added
+            rows[ratio] = buffer
+        return cls(rows, position)
+
+    def of_prefix(self, position: int) -> dict[int, torch.Tensor]:
+        """Per ratio, the entry rows of the path's complete blocks up to ``position`` (at most the path's)."""
+        return {ratio: rows[: position // ratio] for ratio, rows in self.rows.items()}
 
 
 class SessionEnd(NamedTuple):
     """Where a finished request's tokens ended in the tree: the position, the last token, the key's namespace
-    (extra key, cache salt) and a buffer whose first ``position`` values are the tokens up to there."""
+    (extra key, cache salt), a buffer whose first ``position`` values are the tokens up to there, and the path's
+    entry rows (``None`` once the node went to the host)."""
 
     position: int
     last_token: int
     namespace: tuple[str | None, str | None]
     tokens: np.ndarray
+    entries: PathEntries | None
 
 
 def key_namespace(key: RadixKey) -> tuple[str | None, str | None]:

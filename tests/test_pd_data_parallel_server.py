@@ -19,7 +19,6 @@ server does.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +30,7 @@ from serving_checks import assert_pools_idle, greedy
 from test_containment import INNOCENT_VOCAB
 from test_pd_server import DECODE_ARGS as PLAIN_DECODE_ARGS
 from test_pd_server import PREFILL_ARGS as PLAIN_PREFILL_ARGS
-from test_pd_server import PDRequest, failed, layout, timed_out
+from test_pd_server import PDRequest, abort_at_the_prefill_while_it_prefills, layout
 
 from sglang_dsv4.disaggregation import mooncake_installed
 from sglang_dsv4.launch import free_port, running_pd_router, running_server, smg_command
@@ -202,24 +201,11 @@ def test_every_row_comes_back_after_a_client_disconnects(pair, tiny_server):
         assert_pools_idle(pair[side])
 
 
-def prefilling(url: str) -> bool:
-    return any(load["num_used_tokens"] > 0 for load in requests.get(f"{url}/v1/loads", timeout=10).json()["loads"])
-
-
 def test_an_abort_sent_to_the_prefill_instance_while_it_prefills_ends_the_request_on_both(pair, tiny_server):
     rid = "dp-abort-while-prefilling"
     request = PDRequest(pair["prefill"], pair["decode"], pair["bootstrap"],
                         random_ids(3000, INNOCENT_VOCAB, seed=4630).tolist(), rid)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not prefilling(pair["prefill"]):
-        assert time.monotonic() < deadline, "the prefill instance did not start the prompt"
-        time.sleep(0.05)
-    assert requests.post(f"{pair['prefill']}/abort_request", json={"rid": rid}, timeout=30).status_code == 200
-    replies = request.wait(within_s=60)
-    assert failed(replies["prefill"]) and failed(replies["decode"]), replies
-    assert not timed_out(replies["decode"])  # told, not left to its waiting timeout
-    for side in ("prefill", "decode"):
-        assert_pools_idle(pair[side])
+    abort_at_the_prefill_while_it_prefills(pair, request, rid, ended_within_s=60)
     prompt = new_tokens(8, 0)
     assert greedy(pair["router"], prompt, 4) == greedy(tiny_server, prompt, 4)
 

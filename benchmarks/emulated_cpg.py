@@ -1,7 +1,7 @@
-"""CPG of V4-Flash per H200 in the emulator: ours against upstream-like prefix caching, interleaved on one server.
+"""CPG of V4 per H200 in the emulator: ours against upstream-like prefix caching, interleaved on one server.
 
-Starts ``dsv4 emulate``'s server (one attention-DP rank of 8 H200s, DP 8 / EP 8, bf16 KV, the ledger's pools of
-one GPU at ``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the
+Starts ``dsv4 emulate``'s server (one attention-DP rank of V4-Flash on 8 H200s, DP 8 / EP 8, or with ``--config pro
+--gpus 16`` of V4-Pro on two nodes; bf16 KV; the ledger's pools of one GPU at ``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the
 recorded agent sessions at their recorded lengths (``--scale gpu``), with two configurations of that one server
 switched through ``/set_internal_state`` before every trial (the cache flushed):
 
@@ -20,7 +20,8 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
 
     python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
         [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
-        [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like]
+        [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like] \
+        [--config pro --gpus 16]
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="flash", choices=["flash", "pro"], help="the shipped V4 config served")
+    parser.add_argument("--gpus", type=int, default=8, help="the node's GPUs (pro: 16, two nodes)")
     parser.add_argument("--slo", default="slo20", choices=["slo20", "slo60"])
     parser.add_argument("--warmup-s", type=float, default=10.0)
     parser.add_argument("--measure-s", type=float, default=30.0)
@@ -253,13 +256,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         with running_emulated_server(
-            "flash", "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype,
-            log_path=log, gpus=8, context_length=args.context_length,
+            args.config, "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype,
+            log_path=log, gpus=args.gpus, context_length=args.context_length,
             env=ONE_TORCH_THREAD, timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
         ) as url:  # fmt: skip
             summary = run(url, trajectories, args)
     OUT.mkdir(parents=True, exist_ok=True)
-    name = f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
+    name = "" if args.config == "flash" else f"{args.config}{args.gpus}_"
+    name += f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
     name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""

@@ -53,19 +53,16 @@ class EntryOwnership:
 
     def of_prefix(self, prefix_slots: torch.Tensor, position: int) -> dict[int, torch.Tensor]:
         """Per ratio, the entry rows of the complete blocks of a cached prefix of ``position`` tokens."""
-        entries = {
-            r: torch.index_select(of_slot, 0, prefix_slots[r - 1 : position : r])  # int32 or int64 slots
-            for r, of_slot in self.of_slot.items()
-        }
-        if any(len(rows) and int(rows.min()) == 0 for rows in entries.values()):
-            raise AssertionError("a checkpoint's prefix has a block without an entry row")
-        return entries
+        return self.of_positions(prefix_slots, 0, position)
 
     def of_positions(self, slots: torch.Tensor, first: int, last: int) -> dict[int, torch.Tensor]:
         """Per ratio, the entry rows of the blocks ending at positions ``first .. last - 1`` of a cached prefix whose
-        token slots from position ``first`` on are ``slots`` (the blocks ``first // r`` up to ``last // r - 1``)."""
-        ends_of = self._block_ends(first, last)
-        entries = {r: torch.index_select(self.of_slot[r], 0, slots[ends - first]) for r, ends in ends_of.items()}
+        token slots from position ``first`` on are ``slots`` (the blocks ``first // r`` up to ``last // r - 1``): the
+        slots of the blocks' last tokens taken by a strided slice, ``(-first - 1) % r`` the first one's offset."""
+        entries = {
+            r: torch.index_select(of_slot, 0, slots[(-first - 1) % r : last - first : r])  # int32 or int64 slots
+            for r, of_slot in self.of_slot.items()
+        }
         if any(len(rows) and int(rows.min()) == 0 for rows in entries.values()):
             raise AssertionError("a cached prefix has a block without an entry row")
         return entries

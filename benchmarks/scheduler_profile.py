@@ -82,9 +82,9 @@ def kind_of(stack: list[tuple[str, str]]) -> str:
     return f"work: {next((o for _, file in reversed(stack) if (o := owner(file))), 'other')}"
 
 
-def summarize(path: Path, top: int) -> dict:
-    """Shares of the main thread's samples by kind and by stage and kind, and the leading functions of ours (the
-    outermost frame of ours on the working samples that are ours)."""
+def tally(path: Path) -> tuple[Counter[tuple[str, str]], Counter[str], int]:
+    """The main thread's samples by (stage, kind), the working samples that are ours by our outermost frame
+    (``function (file)``, past the wrappers), and the samples in all."""
     by_stage: Counter[tuple[str, str]] = Counter()
     ours: Counter[str] = Counter()
     total = 0
@@ -100,6 +100,13 @@ def summarize(path: Path, top: int) -> dict:
         if kind == "work: ours":
             mine = (f"{f} ({file})" for f, file in parsed if owner(file) == "ours" and file not in WRAPPERS)
             ours[next(mine, "the wrappers")] += samples
+    return by_stage, ours, total
+
+
+def summarize(path: Path, top: int) -> dict:
+    """Shares of the main thread's samples by kind and by stage and kind, and the leading functions of ours (the
+    outermost frame of ours on the working samples that are ours)."""
+    by_stage, ours, total = tally(path)
     share = lambda n: round(n / max(total, 1), 3)  # noqa: E731
     stages: dict[str, dict[str, float]] = {}
     for (stage, kind), samples in by_stage.most_common():

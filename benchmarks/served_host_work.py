@@ -39,7 +39,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scheduler_profile import WRAPPERS, frames, kind_of, owner, stage_of  # noqa: E402
+from scheduler_profile import tally  # noqa: E402
 
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_emulated_server  # noqa: E402
 
@@ -70,25 +70,12 @@ class Sampler:
 def split(profile: Path, per: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Milliseconds per ``per`` (turns or steps) of the scheduler's main thread, by loop stage and by owner of the
     work (waits left out: the emulated device's sleep, the idle poll), and ours by our outermost function."""
-    by_stage: Counter[tuple[str, str]] = Counter()
-    ours: Counter[str] = Counter()
-    for line in profile.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        thread, _, stack = stack.partition(";")
-        if "MainThread" not in thread:
-            continue
-        parsed = frames(stack)
-        kind = kind_of(parsed)
-        if kind.startswith("work: "):
-            by_stage[(stage_of(parsed).removeprefix("Scheduler."), kind.removeprefix("work: "))] += int(count)
-        if kind == "work: ours":
-            ours[next((f for f, file in parsed if owner(file) == "ours" and file not in WRAPPERS), "wrappers")] += int(
-                count
-            )
+    by_stage, ours, _ = tally(profile)
     ms = lambda samples: round(1e3 * samples / RATE_HZ / per, 3)  # noqa: E731
     table: dict[str, dict[str, float]] = {}
-    for (stage, who), samples in sorted(by_stage.items()):
-        table.setdefault(stage, {})[who] = ms(samples)
+    for (stage, kind), samples in sorted(by_stage.items()):
+        if kind.startswith("work: "):
+            table.setdefault(stage.removeprefix("Scheduler."), {})[kind.removeprefix("work: ")] = ms(samples)
     return table, {function: ms(samples) for function, samples in ours.most_common(8)}
 
 

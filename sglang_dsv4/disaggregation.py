@@ -36,6 +36,8 @@ nothing for V4 (it has no pages to move) and is skipped. What is not built is re
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Any
@@ -79,6 +81,9 @@ HOOKS = {
     **{target: (name, "AROUND") for target, name in DECODE_POOL_METHODS.items()},
 }
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+LEGACY_TCP_FRAMING = "MC_TCP_PROTO"
+
+logger = logging.getLogger(__name__)
 
 
 def mooncake_installed() -> bool:
@@ -138,6 +143,22 @@ def check_disaggregation(view: Any) -> None:
     for refused, reason in refusals:
         if refused:
             raise ConfigError(f"{mode}: {reason}")
+
+
+def use_legacy_tcp_framing(view: Any) -> None:
+    """Under Mooncake's TCP transport (``mooncake_tcp``), its legacy framing (``MC_TCP_PROTO=1``) unless the
+    environment chooses one; set in the launcher, so every scheduler's engine inherits it.
+
+    With the acknowledged framing of the pinned wheel (0.3.13.post1, the default there), transfers between two
+    attention-DP instances on this host stalled until Mooncake's 30 s status timeout in every run (the receiving
+    engine left accepted connections unread; the sender then failed the request and smg retried it on other ranks),
+    and never with the legacy framing. The legacy framing reports a write complete once it has left the sender's
+    socket rather than once it has landed; on one host's loopback the pairs' outputs equal the single server's in
+    every PD test. RDMA (``mooncake``) does not read the variable."""
+    tcp = view.disaggregation_transfer_backend == "mooncake_tcp" or os.environ.get("MC_FORCE_TCP") == "1"
+    if view.disaggregation_mode != "null" and tcp and LEGACY_TCP_FRAMING not in os.environ:
+        os.environ[LEGACY_TCP_FRAMING] = "1"
+        logger.info("Mooncake's TCP transport with its legacy framing (%s=1; docs/serving.md)", LEGACY_TCP_FRAMING)
 
 
 # --- the transfer layout ------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .disaggregation import (
     register_disaggregation_hooks,
     request_rows,
     transfer_report,
+    use_legacy_tcp_framing,
 )
 from .emulation import FREE_LIST_OPERATIONS, RESULT_COPY, check_emulation, emulating
 from .platform import bind_rank_threads, host_sharing
@@ -200,6 +201,7 @@ def _server_arg_overrides(server_args: Any, hf_config: Any) -> dict:
     check_speculation(view, hf_config)
     check_cache_tiers(view)
     check_disaggregation(view)
+    use_legacy_tcp_framing(view)
     if emulating():
         check_emulation(view)
     backends = list(_attention_backends())

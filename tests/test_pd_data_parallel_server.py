@@ -49,8 +49,8 @@ SESSIONS, TURN_TOKENS, NEW_TOKENS = 2, (300, 150, 150), 12
 
 @pytest.fixture(scope="module")
 def pair(tiny_path: Path, log_dir: Path) -> Iterator[dict[str, str]]:
-    """The two instances started one after the other (in a run that overlapped their starts, each prefill rank's
-    first transfer stalled in Mooncake's TCP transport: not explained, docs/serving.md), and smg in front."""
+    """The two instances started one after the other, and smg in front (Mooncake's TCP transport with its legacy
+    framing, which the plugin sets: docs/serving.md, "Mooncake's TCP framing")."""
     os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     bootstrap = free_port()
     with (

@@ -8,6 +8,7 @@ The servers behind a router are in ``test_pd_server.py``.
 from __future__ import annotations
 
 import ctypes
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +18,13 @@ from conftest import random_ids
 from test_pool import run_through_pool
 
 from sglang_dsv4.config import ConfigError
-from sglang_dsv4.disaggregation import _resolve_rows, check_disaggregation, mooncake_installed
+from sglang_dsv4.disaggregation import (
+    LEGACY_TCP_FRAMING,
+    _resolve_rows,
+    check_disaggregation,
+    mooncake_installed,
+    use_legacy_tcp_framing,
+)
 from sglang_dsv4.kv_cache import RequestStateRows, V4KVPool
 from sglang_dsv4.memory_pool.transfer import STATE, WINDOW, ratio_group
 
@@ -166,6 +173,27 @@ def test_the_decode_radix_cache_and_attention_dp_are_accepted(change):
 
 def test_without_disaggregation_nothing_is_checked():
     check_disaggregation(SimpleNamespace(**{**PD_VIEW, "disaggregation_mode": "null", "attn_dp_size": 2}))
+
+
+@pytest.mark.parametrize(
+    ("change", "environment", "framing"),
+    [
+        ({"disaggregation_transfer_backend": "mooncake_tcp"}, {}, "1"),  # the TCP transport: the legacy framing
+        ({"disaggregation_transfer_backend": "mooncake"}, {"MC_FORCE_TCP": "1"}, "1"),  # SGLang's rewrite of it
+        ({"disaggregation_transfer_backend": "mooncake_tcp"}, {LEGACY_TCP_FRAMING: "2"}, "2"),  # the environment's
+        ({"disaggregation_transfer_backend": "mooncake"}, {}, None),  # RDMA
+        ({"disaggregation_mode": "null", "disaggregation_transfer_backend": "mooncake_tcp"}, {}, None),  # no pair
+    ],
+)
+def test_the_tcp_transport_gets_the_legacy_framing_unless_the_environment_chooses(
+    monkeypatch, change, environment, framing
+):
+    monkeypatch.delenv(LEGACY_TCP_FRAMING, raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    use_legacy_tcp_framing(SimpleNamespace(**{**PD_VIEW, **change}))
+    assert os.environ.get(LEGACY_TCP_FRAMING) == framing
 
 
 def test_a_decode_forward_reads_only_what_moved(tiny_model):

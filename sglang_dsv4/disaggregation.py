@@ -31,7 +31,7 @@ the decode rank asks for it there (SGLang's ``/register_dp_rank`` and ``/query_d
 On the CPU platform SGLang's sender would pin host memory and record a CUDA event for its indices: the platform
 supplies the plain path (:func:`_no_device_indices_on_cpu`). SGLang's early send of a cached prefix's pages moves
 nothing for V4 (it has no pages to move) and is skipped. What is not built is refused at launch
-(:func:`check_disaggregation`).
+(:func:`check_disaggregation`). Mooncake's TCP transport runs with its legacy framing (:func:`use_legacy_tcp_framing`).
 """
 
 from __future__ import annotations
@@ -150,9 +150,10 @@ def use_legacy_tcp_framing(view: Any) -> None:
     environment chooses one; set in the launcher, so every scheduler's engine inherits it.
 
     With the acknowledged framing of the pinned wheel (0.3.13.post1, the default there), transfers between two
-    attention-DP instances on this host stalled until Mooncake's 30 s status timeout in every run (the receiving
-    engine left accepted connections unread; the sender then failed the request and smg retried it on other ranks),
-    and never with the legacy framing. The legacy framing reports a write complete once it has left the sender's
+    attention-DP instances on this host stalled until Mooncake's 30 s status timeout in each of five runs (the
+    receiving engine left the connections unaccepted or their bytes unread; the sender then failed the request and
+    smg retried it on other ranks), and in none of the runs with the legacy framing (cause inside the engine not
+    found: docs/serving.md). The legacy framing reports a write complete once it has left the sender's
     socket rather than once it has landed; on one host's loopback the pairs' outputs equal the single server's in
     every PD test. RDMA (``mooncake``) does not read the variable."""
     tcp = view.disaggregation_transfer_backend == "mooncake_tcp" or os.environ.get("MC_FORCE_TCP") == "1"

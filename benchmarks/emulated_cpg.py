@@ -1,9 +1,10 @@
 """CPG of V4 per H200 in the emulator: ours against upstream-like prefix caching, interleaved on one server.
 
 Starts ``dsv4 emulate``'s server (one attention-DP rank of V4-Flash on 8 H200s, DP 8 / EP 8, or with ``--config pro
---gpus 16`` of V4-Pro on two nodes; bf16 KV; the ledger's pools of one GPU at ``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the
-recorded agent sessions at their recorded lengths (``--scale gpu``), with two configurations of that one server
-switched through ``/set_internal_state`` before every trial (the cache flushed):
+--gpus 16`` of V4-Pro on two nodes; bf16 KV unless ``--kv-cache-dtype``; the ledger's pools of one GPU at
+``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the recorded agent
+sessions at their recorded lengths (``--scale gpu``), with two configurations of that one server switched through
+``/set_internal_state`` before every trial (the cache flushed):
 
 * ``ours``: exact prefix hits, ``per_request`` windows;
 * ``upstream-like``: hits only at 256-token pages (``aligned``), every written window kept (``all_committed``).

@@ -3,7 +3,8 @@
 Starts ``dsv4 emulate``'s server (one attention-DP rank of V4-Flash on 8 H200s, DP 8 / EP 8, or with ``--config pro
 --gpus 16`` of V4-Pro on two nodes; bf16 KV unless ``--kv-cache-dtype``; the ledger's pools of one GPU at
 ``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the recorded agent
-sessions at their recorded lengths (``--scale gpu``), with two configurations of that one server switched through
+sessions at their recorded lengths (``--scale gpu``), or with ``--trace synthetic`` on AgentPerf's published shape
+(``sglang_dsv4.agentperf.synthetic``: ``--trajectories`` of them, seed 0), with two configurations of that one server switched through
 ``/set_internal_state`` before every trial (the cache flushed):
 
 * ``ours``: exact prefix hits, ``per_request`` windows;
@@ -22,7 +23,7 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
     python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
         [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
         [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like] \
-        [--config pro --gpus 16]
+        [--config pro --gpus 16] [--trace synthetic --trajectories 128]
 """
 
 from __future__ import annotations
@@ -48,13 +49,12 @@ from sglang_dsv4.agentperf.benchmark import (
     _trial,
     run_benchmark,
 )
+from sglang_dsv4.agentperf.command import load_trajectories
 from sglang_dsv4.agentperf.progress import Progress
 from sglang_dsv4.agentperf.replay import RequestBudget
 from sglang_dsv4.agentperf.report import markdown_table
 from sglang_dsv4.agentperf.server import ChatServer, first_model
 from sglang_dsv4.agentperf.slo import TIERS
-from sglang_dsv4.agentperf.traces import load_sessions
-from sglang_dsv4.agentperf.trajectory import SCALES, ToolLatency
 from sglang_dsv4.launch import ONE_TORCH_THREAD, running_emulated_server
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -154,7 +154,8 @@ def window_figures(start: dict, end: dict) -> dict[str, float]:
 
 
 async def search(
-    url: str, names: list[str], trajectories: list, settings: Settings, profile: Path | None, levels: dict[str, int]
+    url: str, names: list[str], trajectories: list, trace: str, settings: Settings, profile: Path | None,
+    levels: dict[str, int],
 ) -> tuple:
     """AgentPerf's interleaved search over the configurations ``names`` of one server (or, with ``levels``, one
     trial of each at its level); the result, and per configuration its trials' windows (in trial order)."""
@@ -163,7 +164,6 @@ async def search(
         model = await first_model(url, session)
         servers = [WindowedServer(url, session, model, name, settings, profile) for name in names]
         configurations = [Configuration(name, url, MODES[name]) for name in names]
-        trace = f"recorded sessions ({len(trajectories)}), gpu scale"
         if levels:
             result = await one_trial_each(configurations, servers, levels, trajectories, settings, trace)
         else:
@@ -175,7 +175,7 @@ async def search(
         return result, {server.name: server.windows for server in servers}
 
 
-def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
+def run(url: str, trajectories: list, trace: str, args: argparse.Namespace) -> dict:
     settings = Settings(
         slo=TIERS[args.slo],
         warmup_s=args.warmup_s,
@@ -193,7 +193,7 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
     started = time.monotonic()
     levels = dict((name, int(level)) for name, _, level in (pair.partition("=") for pair in args.at))
     names = list(levels) if levels else args.configurations
-    result, windows = asyncio.run(search(url, names, trajectories, settings, args.profile, levels))
+    result, windows = asyncio.run(search(url, names, trajectories, trace, settings, args.profile, levels))
     elapsed = time.monotonic() - started
     after = device_time(url)
     table = markdown_table(result)
@@ -203,6 +203,7 @@ def run(url: str, trajectories: list, args: argparse.Namespace) -> dict:
     rank_time = after["device_time"]["wall_s"] - before["device_time"]["wall_s"]
     return {
         "slo": args.slo,
+        "trace": trace,
         "warmup_s": args.warmup_s,
         "measure_s": args.measure_s,
         "run_s": round(elapsed, 1),
@@ -245,7 +246,9 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=96)
     parser.add_argument("--max-seconds", type=float, default=1500.0)
     parser.add_argument("--context-length", type=int, default=131072)
+    parser.add_argument("--trace", default="sessions", choices=["sessions", "synthetic"], help="what the agents run")
     parser.add_argument("--sessions", type=Path, default=SESSIONS, help="the recorded sessions (jsonl.gz)")
+    parser.add_argument("--trajectories", type=int, default=128, help="synthetic trajectories to draw")
     parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
@@ -253,7 +256,7 @@ def main() -> None:
     parser.add_argument("--configurations", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
     args = parser.parse_args()
-    trajectories = load_sessions(args.sessions, SCALES["gpu"], ToolLatency(), seed=0)
+    trajectories, trace = load_trajectories(args.trace, args.sessions, "gpu", args.trajectories, seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         with running_emulated_server(
@@ -261,9 +264,10 @@ def main() -> None:
             log_path=log, gpus=args.gpus, context_length=args.context_length,
             env=ONE_TORCH_THREAD, timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
         ) as url:  # fmt: skip
-            summary = run(url, trajectories, args)
+            summary = run(url, trajectories, trace, args)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "" if args.config == "flash" else f"{args.config}{args.gpus}_"
+    name += "" if args.trace == "sessions" else f"{args.trace}{args.trajectories}_"
     name += f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)

@@ -8,7 +8,10 @@ sessions at their recorded lengths (``--scale gpu``), or with ``--trace syntheti
 ``/set_internal_state`` before every trial (the cache flushed):
 
 * ``ours``: exact prefix hits, ``per_request`` windows;
-* ``upstream-like``: hits only at 256-token pages (``aligned``), every written window kept (``all_committed``).
+* ``upstream-like``: hits only at 256-token pages (``aligned``), every written window kept (``all_committed``);
+* either with ``+host-tier``: the same, on a second server with a host tier of ``--host-tier`` GB of the H200
+  host's memory per rank (``--enable-hierarchical-cache --hicache-size``; its copies timed as ours on an H200),
+  started beside the first when both kinds are compared and idle (``--sleep-on-idle``) while the other runs.
 
 Upstream's round-robin DP is not part of this run: it emulates one rank. CPG = the largest concurrency whose
 agents all meet the SLO tier, per GPU (this rank's GPU). Besides the search it reports the emulated device's
@@ -23,18 +26,21 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
     python benchmarks/emulated_cpg.py [--sessions ../shared/data/agentic_trajectories.jsonl.gz] [--measure-s 30] \
         [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
         [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like] \
-        [--config pro --gpus 16] [--trace synthetic --trajectories 128]
+        [--config pro --gpus 16] [--trace synthetic --trajectories 128] \
+        [--configurations ours ours+host-tier --host-tier 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +71,23 @@ MODES = {
     "ours": {"dsv4_prefix_hits": "exact", "dsv4_window_policy": "per_request"},
     "upstream-like": {"dsv4_prefix_hits": "aligned", "dsv4_window_policy": "all_committed"},
 }
+HOST_TIER = "+host-tier"
+CONFIGURATIONS = [*MODES, *(mode + HOST_TIER for mode in MODES)]
+
+
+def on_host_tier(name: str) -> bool:
+    """Whether the configuration ``name`` runs on the server with the host tier."""
+    return name.endswith(HOST_TIER)
 
 
 def device_time(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]["dsv4_emulation"]
+
+
+def host_tier(url: str) -> dict | None:
+    """The host tier's report (what moved between the tiers), or None without one."""
+    state = requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]
+    return state["dsv4_prefix_cache"].get("host_tier")
 
 
 class WindowedServer(ChatServer):
@@ -154,16 +173,18 @@ def window_figures(start: dict, end: dict) -> dict[str, float]:
 
 
 async def search(
-    url: str, names: list[str], trajectories: list, trace: str, settings: Settings, profile: Path | None,
-    levels: dict[str, int],
+    urls: dict[bool, str], names: list[str], trajectories: list, trace: str, settings: Settings,
+    profile: Path | None, levels: dict[str, int],
 ) -> tuple:
-    """AgentPerf's interleaved search over the configurations ``names`` of one server (or, with ``levels``, one
-    trial of each at its level); the result, and per configuration its trials' windows (in trial order)."""
+    """AgentPerf's interleaved search over the configurations ``names`` (each on the server of ``urls`` with or
+    without the host tier), or, with ``levels``, one trial of each at its level; the result, and per configuration
+    its trials' windows (in trial order)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        model = await first_model(url, session)
-        servers = [WindowedServer(url, session, model, name, settings, profile) for name in names]
-        configurations = [Configuration(name, url, MODES[name]) for name in names]
+        model = await first_model(next(iter(urls.values())), session)
+        url = {name: urls[on_host_tier(name)] for name in names}
+        servers = [WindowedServer(url[name], session, model, name, settings, profile) for name in names]
+        configurations = [Configuration(name, url[name], MODES[name.removesuffix(HOST_TIER)]) for name in names]
         if levels:
             result = await one_trial_each(configurations, servers, levels, trajectories, settings, trace)
         else:
@@ -175,12 +196,12 @@ async def search(
         return result, {server.name: server.windows for server in servers}
 
 
-def run(url: str, trajectories: list, trace: str, args: argparse.Namespace) -> dict:
+def run(urls: dict[bool, str], names: list[str], trajectories: list, trace: str, args: argparse.Namespace) -> dict:
     settings = Settings(
         slo=TIERS[args.slo],
         warmup_s=args.warmup_s,
         measure_s=args.measure_s,
-        request_timeout_s=120.0,
+        request_timeout_s=slowest_passing_turn_s(trajectories, TIERS[args.slo]),
         trials=1,
         max_concurrency=args.max_concurrency,
         gpus=1,
@@ -189,23 +210,20 @@ def run(url: str, trajectories: list, trace: str, args: argparse.Namespace) -> d
         served_history=False,
         seed=0,
     )
-    before = device_time(url)
+    before = {tier: device_time(url) for tier, url in urls.items()}
     started = time.monotonic()
-    levels = dict((name, int(level)) for name, _, level in (pair.partition("=") for pair in args.at))
-    names = list(levels) if levels else args.configurations
-    result, windows = asyncio.run(search(url, names, trajectories, trace, settings, args.profile, levels))
+    levels = at_levels(args.at)
+    result, windows = asyncio.run(search(urls, names, trajectories, trace, settings, args.profile, levels))
     elapsed = time.monotonic() - started
-    after = device_time(url)
+    after = {tier: device_time(url) for tier, url in urls.items()}
     table = markdown_table(result)
     print(table, flush=True)
-    busy = after["device_time"]["busy_s"] - before["device_time"]["busy_s"]
-    waited = after["device_time"]["host_waited_s"] - before["device_time"]["host_waited_s"]
-    rank_time = after["device_time"]["wall_s"] - before["device_time"]["wall_s"]
     return {
         "slo": args.slo,
         "trace": trace,
         "warmup_s": args.warmup_s,
         "measure_s": args.measure_s,
+        "request_timeout_s": settings.request_timeout_s,
         "run_s": round(elapsed, 1),
         "stopped": result.stopped,
         "configurations": {
@@ -216,24 +234,59 @@ def run(url: str, trajectories: list, trace: str, args: argparse.Namespace) -> d
                 "levels": {f"{t.concurrency}": t.passed for t in outcome.trials},
                 "turns_measured": sum(len(t.records) for t in outcome.trials),
                 "trials": [
-                    {"concurrency": t.concurrency, "passed": t.passed, "window": w}
+                    {"concurrency": t.concurrency, "passed": t.passed, "window": w, "errors": errors(t.records)}
                     for t, w in zip(outcome.trials, windows[outcome.configuration.name])
                 ],
             }
             for outcome in result.configurations
         },
+        **{
+            SERVER_NAMES[tier]: server_figures(before[tier], after[tier], elapsed, urls[tier]) for tier in sorted(urls)
+        },
+        "table": table,
+    }
+
+
+SERVER_NAMES = {False: "server", True: "server with the host tier"}
+
+
+def server_figures(before: dict, after: dict, elapsed: float, url: str) -> dict:
+    """One server's emulated device over the run (busy, waited, occupancy over the run and over the rank's clock),
+    its emulation's report, and its host tier's (None without one)."""
+    busy = after["device_time"]["busy_s"] - before["device_time"]["busy_s"]
+    waited = after["device_time"]["host_waited_s"] - before["device_time"]["host_waited_s"]
+    rank_time = after["device_time"]["wall_s"] - before["device_time"]["wall_s"]
+    return {
         "device": {
             "busy_s": round(busy, 2),
             "host_waited_s": round(waited, 2),
             "occupancy_over_run": round(busy / elapsed, 3),
-            "occupancy_over_rank_clock": round(busy / rank_time, 3),
+            "occupancy_over_rank_clock": round(busy / rank_time, 3) if rank_time > 0 else None,
             "host_speed": after["device_time"]["host_speed"],
         },
         "emulation": {
             k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes", "device_time")
         },
-        "table": table,
+        "host_tier": host_tier(url),
     }
+
+
+def slowest_passing_turn_s(trajectories: list, slo) -> float:
+    """How long the trace's longest turn may take within the SLO (its TTFT bound, then its output at the slowest
+    speed allowed), and at least 120 s: a client timeout any shorter would fail turns that meet the SLO (the
+    synthetic trace's outputs reach 16K tokens, 819 s at 20 tok/s)."""
+    longest = max(turn.output_tokens for trajectory in trajectories for turn in trajectory.turns)
+    return max(120.0, slo.max_ttft_s + longest / slo.min_output_speed)
+
+
+def errors(records: list) -> dict[str, int]:
+    """How many of a trial's turns failed with each error."""
+    return dict(Counter(record.error for record in records if record.error is not None))
+
+
+def at_levels(pairs: list[str]) -> dict[str, int]:
+    """``--at``'s ``NAME=LEVEL`` pairs."""
+    return {name: int(level) for name, _, level in (pair.partition("=") for pair in pairs)}
 
 
 def main() -> None:
@@ -252,28 +305,40 @@ def main() -> None:
     parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
+    parser.add_argument("--host-tier", type=int, default=0, help="GB of host memory per rank (+host-tier configurations)")
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
-    parser.add_argument("--configurations", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--configurations", nargs="+", choices=CONFIGURATIONS, default=list(MODES))
     parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
     args = parser.parse_args()
+    names = list(at_levels(args.at)) or args.configurations
+    tiers = sorted({on_host_tier(name) for name in names})
+    if True in tiers and args.host_tier <= 0:
+        parser.error("+host-tier configurations need --host-tier GB")
     trajectories, trace = load_trajectories(args.trace, args.sessions, "gpu", args.trajectories, seed=0)
-    with tempfile.TemporaryDirectory() as scratch:
-        log = Path(scratch) / "server.log"
-        with running_emulated_server(
-            args.config, "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype,
-            log_path=log, gpus=args.gpus, context_length=args.context_length,
-            env=ONE_TORCH_THREAD, timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
-        ) as url:  # fmt: skip
-            summary = run(url, trajectories, trace, args)
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as servers:
+        urls = {tier: servers.enter_context(emulated_server(args, Path(scratch), tier)) for tier in tiers}
+        summary = run(urls, names, trajectories, trace, args)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "" if args.config == "flash" else f"{args.config}{args.gpus}_"
     name += "" if args.trace == "sessions" else f"{args.trace}{args.trajectories}_"
     name += f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    name += f"_hicache{args.host_tier}" if True in tiers else ""
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
     name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
+
+
+def emulated_server(args: argparse.Namespace, scratch: Path, with_host_tier: bool):
+    """``dsv4 emulate``'s server for the run, with a host tier of ``--host-tier`` GB or without."""
+    tier = ("--enable-hierarchical-cache", "--hicache-size", str(args.host_tier)) if with_host_tier else ()
+    return running_emulated_server(
+        args.config, "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype, *tier,
+        log_path=scratch / f"server{'_host_tier' if with_host_tier else ''}.log", gpus=args.gpus,
+        context_length=args.context_length, env=ONE_TORCH_THREAD,
+        timing={"host_speed": args.host_speed, "lockstep": args.lockstep},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,7 +32,14 @@ from .disaggregation import (
     transfer_report,
     use_legacy_tcp_framing,
 )
-from .emulation import FREE_LIST_OPERATIONS, RESULT_COPY, check_emulation, emulating
+from .emulation import (
+    FREE_LIST_OPERATIONS,
+    HOST_TIER_LOAD,
+    HOST_TIER_WRITE_BACK,
+    RESULT_COPY,
+    check_emulation,
+    emulating,
+)
 from .platform import bind_rank_threads, host_sharing
 from .prefix_cache.admission import ADMISSION_HOOKS
 from .required_hooks import require, require_hooks_applied
@@ -116,16 +123,20 @@ def register() -> None:
 
 def _register_emulation() -> None:
     """``SGLANG_DSV4_PLUGIN_EMULATE``: the emulated model in place of ours, the host waiting for the emulated
-    device at the result copy, the allocator's free-list operations timed as a GPU's (:mod:`sglang_dsv4.emulation`)."""
+    device at the result copy, the allocator's free-list operations timed as a GPU's, the host tier's copies as
+    ours on an H200 (:mod:`sglang_dsv4.emulation`)."""
     from sglang.srt.models.registry import ModelRegistry
 
     from .emulation.device import on_the_device, wait_at_result_copy
+    from .emulation.host_tier import timed_load, timed_write_back
     from .emulation.model import EmulatedDeepseekV4ForCausalLM
 
     ModelRegistry.models[ARCHITECTURE] = EmulatedDeepseekV4ForCausalLM
     HookRegistry.register(RESULT_COPY, wait_at_result_copy, HookType.AROUND)
     for operation in FREE_LIST_OPERATIONS:
         HookRegistry.register(operation, on_the_device, HookType.AROUND)
+    HookRegistry.register(HOST_TIER_LOAD, timed_load, HookType.AROUND)
+    HookRegistry.register(HOST_TIER_WRITE_BACK, timed_write_back, HookType.AROUND)
 
 
 def _register_model() -> None:

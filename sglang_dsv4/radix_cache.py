@@ -11,7 +11,7 @@ from typing import Any
 
 from .config import ConfigError
 from .kv_cache import V4KVPool
-from .memory_pool.host_pools import host_rows_for_bytes
+from .memory_pool.host_pools import allocation_bytes, host_rows_for_bytes
 from .memory_pool.storage import V4PoolStorage
 from .prefix_cache import MODE_CODES
 from .prefix_cache.host_tier import WRITE_POLICIES, HostTier
@@ -99,14 +99,15 @@ def tokens_left_to_prefill(server_args: Any) -> int:
 
 def build_host_tier(server_args: Any, storage: V4PoolStorage) -> HostTier:
     """The host tier ``--enable-hierarchical-cache`` asks for: ``--hicache-size`` GB, or the ratio (SGLang's
-    auto-sizing, when it ran, has lowered it to fit this host), refused when the host's free memory is less;
-    written per ``--hicache-write-policy``."""
+    auto-sizing, when it ran, has lowered it to fit this host), refused when its rows would take more of this
+    host's memory than is free (none under emulation: rows of no width); written per ``--hicache-write-policy``."""
     import psutil
     from sglang.srt.runtime_context import get_memory
 
     size = host_tier_bytes(storage, ratio=get_memory().hicache_ratio, size_gb=server_args.hicache_size)
-    check_fits_host_memory(size, psutil.virtual_memory().available)
-    return HostTier(storage, host_rows_for_bytes(storage, size), WRITE_POLICIES[server_args.hicache_write_policy])
+    rows = host_rows_for_bytes(storage, size)
+    check_fits_host_memory(allocation_bytes(storage, rows), psutil.virtual_memory().available)
+    return HostTier(storage, rows, WRITE_POLICIES[server_args.hicache_write_policy])
 
 
 def runtime_mode_updates(tree_cache: Any) -> dict[str, Any]:

@@ -16,9 +16,11 @@ from sglang_dsv4.emulation.model import FIXED_TOKEN
 from sglang_dsv4.emulation.pools import EmulatedPoolConfigurator, WidthlessPoolStorage
 from sglang_dsv4.emulation.timing import ForwardShape, TimingModel
 from sglang_dsv4.launch import running_emulated_server
+from sglang_dsv4.memory_pool.host_pools import HostPools, allocation_bytes, host_rows_for_bytes
 from sglang_dsv4.memory_pool.layout import PoolLayout
 from sglang_dsv4.memory_pool.sizing import DEFAULT_MAX_RUNNING_REQUESTS
 from sglang_dsv4.memory_pool.storage import V4PoolStorage
+from sglang_dsv4.prefix_cache.host_tier_size import mirrored_device_bytes
 from sglang_dsv4.tiny import TINY_CONFIG
 
 CONTEXT = 32768
@@ -49,12 +51,45 @@ def test_emulation_refuses_what_it_does_not_model(monkeypatch, flag, value):
         disable_overlap_schedule=False,
         speculative_algorithm=None,
         enable_hierarchical_cache=False,
+        hicache_size=0,
         disaggregation_mode="null",
     )
     check_emulation(view)
     setattr(view, flag, value)
     with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
         check_emulation(view)
+
+
+def test_emulation_takes_a_host_tier_of_the_size_given():
+    view = SimpleNamespace(
+        disable_overlap_schedule=False,
+        speculative_algorithm=None,
+        enable_hierarchical_cache=True,
+        hicache_size=0,
+        disaggregation_mode="null",
+    )
+    with pytest.raises(ConfigError, match="--hicache-size: the emulated host's memory is not this host's"):
+        check_emulation(view)
+    view.hicache_size = 200
+    check_emulation(view)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_widthless_host_tier_has_the_rows_and_bytes_of_the_real_one_in_no_memory(kv_dtype):
+    config = parse_config(TINY_CONFIG)
+    shape = dict(num_tokens=2048, max_requests=8, max_context=1024, device="cpu")
+    real = V4PoolStorage(config, kv_dtype, **shape)
+    widthless = WidthlessPoolStorage(config, kv_dtype, **shape)
+    capacity = 3 * mirrored_device_bytes(real)
+    rows = host_rows_for_bytes(real, capacity)
+    assert host_rows_for_bytes(widthless, capacity) == rows
+    assert mirrored_device_bytes(widthless) == mirrored_device_bytes(real)
+    host, twin = HostPools(real, rows), HostPools(widthless, rows)
+    assert twin.capacity_bytes == host.capacity_bytes == host.allocated_bytes - sum(
+        kind.row_bytes for kind in host.kinds().values()  # the real tier's padding rows
+    )
+    assert twin.allocated_bytes == 0 == allocation_bytes(widthless, rows)
+    assert allocation_bytes(real, rows) == host.allocated_bytes
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from sglang_dsv4.cli import main as dsv4
 from sglang_dsv4.config import load_config, named_config
 from sglang_dsv4.emulation.command import emulated_model_dir
-from sglang_dsv4.emulation.device import RankClock, runqueue_wait_s
+from sglang_dsv4.emulation.device import EmulatedDevice, RankClock, runqueue_wait_s
 from sglang_dsv4.emulation.timing import (
     REFERENCE_ENTRY_BYTES,
     REFERENCE_INDEXER_KEY_BYTES,
@@ -158,6 +158,26 @@ def test_cpu_time_left_out_as_device_work_moves_neither_the_rank_clock_nor_the_d
     clock.settle()
     assert clock.now() - began == pytest.approx(0.0, abs=0.01)
     assert clock.spent()["settled_s"] == pytest.approx(0.0, abs=0.005)  # the wall is already ahead
+
+
+def test_a_load_runs_beside_the_forward_in_flight_and_holds_back_the_next_one():
+    device = EmulatedDevice()
+    started = device.now()
+    first = device.issue(0.2)
+    device.load(0.1)  # on the copy engine while the first forward runs: it ends before the first does
+    assert device.issue(0.05) == pytest.approx(first + 0.05, abs=0.01)
+    device.load(0.3)  # behind the first copy on the copy engine, it ends after the forwards queued (at 0.25)
+    assert device.issue(0.05) == pytest.approx(started + 0.1 + 0.3 + 0.05, abs=0.01)  # the next forward waits
+    assert device.busy_s == pytest.approx(0.3) and device.loaded_s == pytest.approx(0.4)
+    assert device.now() - started < 0.05  # nothing above held the host
+
+
+def test_host_work_of_the_host_tiers_copies_holds_the_host_and_not_the_device():
+    device = EmulatedDevice()
+    started, finish = device.now(), device.issue(0.3)
+    device.hold_host(0.1)
+    assert device.now() - started == pytest.approx(0.1, abs=0.02)
+    assert device.busy_until == finish and device.held_host_s == pytest.approx(0.1)
 
 
 def test_lockstep_charges_each_extend_for_every_rank_and_leaves_decode_alone():

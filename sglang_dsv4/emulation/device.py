@@ -14,6 +14,11 @@ real sleeps of the clock's remaining time. Where the emulated host is the slower
 sleeps off what its work took less than the emulated host's (:meth:`RankClock.settle`), so that the clients' wall
 times keep pace with the rank's clock; they fall behind it only where this host's contention exceeds that.
 
+The host tier's copies (:mod:`.host_tier`): a load runs on a copy engine beside the forwards, as our loads run on a
+stream of their own, and the next forward issued starts after it (:meth:`EmulatedDevice.load`); the host's part
+of a copy (issuing a load, waiting for a write-back's device-to-host copy) holds the host
+(:meth:`EmulatedDevice.hold_host`).
+
 Occupancy is the device's busy time over the rank's time since its first forward: what SGLang's
 ``fwd_occupancy`` reads on a GPU.
 """
@@ -104,6 +109,9 @@ class EmulatedDevice:
     busy_s: float = 0.0
     waited_s: float = 0.0
     forwards: int = 0
+    loads_until: float = 0.0
+    loaded_s: float = 0.0
+    held_host_s: float = 0.0
     first_issue: float | None = None
     clock: RankClock | None = field(default=None, repr=False)
 
@@ -122,10 +130,22 @@ class EmulatedDevice:
         now = self.now()
         if self.first_issue is None:
             self.first_issue = now
-        self.busy_until = max(now, self.busy_until) + seconds
+        self.busy_until = max(now, self.busy_until, self.loads_until) + seconds
         self.busy_s += seconds
         self.forwards += 1
         return self.busy_until
+
+    def load(self, seconds: float) -> None:
+        """Queue a host-to-device copy of ``seconds`` on the copy engine, behind the copies issued before it and
+        beside the forwards: a forward issued from now on starts after it."""
+        self.loads_until = max(self.now(), self.loads_until) + seconds
+        self.loaded_s += seconds
+
+    def hold_host(self, seconds: float) -> None:
+        """Host work of ``seconds`` that a GPU server's host does and this one does not (the host tier's part of
+        its copies): the host sleeps that long."""
+        time.sleep(seconds)
+        self.held_host_s += seconds
 
     def wait_until(self, finish: float) -> None:
         """Block the host until the device reaches ``finish``, its own work's slowdown slept off first."""
@@ -136,8 +156,10 @@ class EmulatedDevice:
             self.waited_s += remaining
 
     def report(self) -> dict[str, float]:
-        """Forwards, busy and waited seconds, the rank's seconds since its first forward and occupancy so far
-        (busy time queued ahead counted as done), the host-speed factor, and the scheduler thread's time on this
+        """Forwards, busy and waited seconds, the host tier's copies in seconds (loads on the copy engine, the
+        host held), the rank's seconds
+        since its first forward and occupancy so far (busy time queued ahead counted as done), the host-speed
+        factor, and the scheduler thread's time on this
         host since its clock started (CPU, waiting for a CPU, settle sleeps; a clock's reading with each)."""
         wall = 0.0 if self.first_issue is None else max(self.now(), self.busy_until) - self.first_issue
         return {
@@ -147,6 +169,8 @@ class EmulatedDevice:
             "forwards": self.forwards,
             "busy_s": round(self.busy_s, 3),
             "host_waited_s": round(self.waited_s, 3),
+            "loaded_s": round(self.loaded_s, 6),
+            "held_host_s": round(self.held_host_s, 6),
             "wall_s": round(wall, 3),
             "occupancy": round(self.busy_s / wall, 4) if wall > 0 else 0.0,
             "host_speed": self.host_speed,

@@ -38,11 +38,10 @@ class EmulatedDeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.v4_config = served_config(config)
-        kv_dtype = "fp8" if "fp8" in str(get_model().kv_cache_dtype) else "bf16"
         chosen = settings()
         deployment = Deployment(
             gpus=chosen.emulate_gpus,
-            kv_dtype=kv_dtype,
+            kv_dtype=served_kv_dtype(),
             attention_tp=chosen.emulate_attention_tp,
             experts=chosen.emulate_experts,
             lockstep=chosen.emulate_lockstep,
@@ -65,6 +64,11 @@ class EmulatedDeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """No weights: whatever a loader offers is not read."""
+
+
+def served_kv_dtype() -> str:
+    """The timing model's name for SGLang's ``--kv-cache-dtype``: ``fp8`` or ``bf16``."""
+    return "fp8" if "fp8" in str(get_model().kv_cache_dtype) else "bf16"
 
 
 def timed_model(config: DeepseekV4Config) -> str:

@@ -8,6 +8,9 @@ is), so a row is copied as stored, bit for bit, both ways. Each kind hands its r
 :class:`~.shared_rows.SharedRows`: :meth:`HostRowKind.save` takes only what is free and answers ``None``
 when the host is short (making room is the prefix cache's, :mod:`sglang_dsv4.prefix_cache.tree`).
 
+A row's bytes are the layout's (:func:`kind_row_bytes`: what the device stores, so sizes and bytes moved are a
+GPU's whatever the buffers' width here; the emulator's rows have none), the memory taken here the buffers'.
+
 Copies to the host (:meth:`HostRowKind.save`) are synchronous: the rows are read when a node is cached or
 evicted. Copies back (:meth:`HostRowKind.restore`) go through :class:`DeviceLoads`: on CUDA, from pinned memory
 on a stream of their own, so the host thread never waits and the copy overlaps what runs on other streams (the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .layout import PoolLayout
 from .shared_rows import SharedRows
 from .storage import V4PoolStorage
 
@@ -103,10 +107,11 @@ class HostRowKind:
     """One kind of row on the host: its allocator, and each device buffer of the kind with its host twin (in
     pinned memory when the device is a GPU, so that :class:`DeviceLoads` copies it asynchronously)."""
 
-    def __init__(self, rows: SharedRows, device_buffers: list[torch.Tensor], loads: DeviceLoads):
+    def __init__(self, rows: SharedRows, device_buffers: list[torch.Tensor], loads: DeviceLoads, row_bytes: int):
         self.rows = rows
         self.device_buffers = device_buffers
         self.loads = loads
+        self.row_bytes = row_bytes  # one row of all its buffers, as the device stores it
         self.host_buffers = [
             torch.zeros(rows.capacity + 1, *b.shape[1:], dtype=b.dtype, pin_memory=b.is_cuda) for b in device_buffers
         ]
@@ -126,12 +131,8 @@ class HostRowKind:
         self.loads.copy(list(zip(self.host_buffers, self.device_buffers, strict=True)), host_rows, device_rows)
 
     @property
-    def row_bytes(self) -> int:
-        """The bytes of one row (all its buffers')."""
-        return _row_bytes(self.host_buffers)
-
-    @property
     def allocated_bytes(self) -> int:
+        """This host's memory the kind takes."""
         return sum(b.numel() * b.element_size() for b in self.host_buffers)
 
 
@@ -141,8 +142,9 @@ class HostPools:
 
     def __init__(self, storage: V4PoolStorage, rows: dict[str, int]):
         self.loads = DeviceLoads(storage.device)
+        row_bytes = kind_row_bytes(storage.layout)
         kinds = {
-            name: HostRowKind(SharedRows(rows[name], f"host {device_rows.name}"), buffers, self.loads)
+            name: HostRowKind(SharedRows(rows[name], f"host {device_rows.name}"), buffers, self.loads, row_bytes[name])
             for name, (device_rows, buffers) in device_kinds(storage).items()
         }
         self.window, self.records = kinds[WINDOW_SLOTS], kinds[RECORDS]
@@ -161,15 +163,21 @@ class HostPools:
         return sum(kind.allocated_bytes for kind in self.kinds().values())
 
     @property
+    def capacity_bytes(self) -> int:
+        """The bytes of every row, as the device stores them."""
+        return sum(kind.rows.capacity * kind.row_bytes for kind in self.kinds().values())
+
+    @property
     def held_bytes(self) -> int:
-        """The bytes of the rows handed out."""
+        """The bytes of the rows handed out, as the device stores them."""
         return sum((kind.rows.capacity - kind.rows.free) * kind.row_bytes for kind in self.kinds().values())
 
 
 def host_rows_for_bytes(storage: V4PoolStorage, capacity_bytes: int) -> dict[str, int]:
     """Rows of each kind for a host tier of at most ``capacity_bytes`` (padding rows included), in the device
     pool's proportions: each kind's device row count times the same factor."""
-    kinds = {name: (rows, _row_bytes(buffers)) for name, (rows, buffers) in device_kinds(storage).items()}
+    row_bytes = kind_row_bytes(storage.layout)
+    kinds = {name: (rows, row_bytes[name]) for name, (rows, _) in device_kinds(storage).items()}
     padding = sum(row_bytes for _, row_bytes in kinds.values())
     device_bytes = sum(rows.capacity * row_bytes for rows, row_bytes in kinds.values())
     share = max(0, capacity_bytes - padding) / device_bytes
@@ -188,5 +196,21 @@ def device_kinds(storage: V4PoolStorage) -> dict[str, tuple[SharedRows, list[tor
     }
 
 
-def _row_bytes(buffers: list[torch.Tensor]) -> int:
-    return sum(b[0].numel() * b.element_size() for b in buffers)
+def kind_row_bytes(layout: PoolLayout) -> dict[str, int]:
+    """One row's bytes of each kind the prefix cache keeps, by name, as the device stores it: a window slot (every
+    layer's raw KV of a token), a checkpoint record, an entry row (every buffer of its ratio)."""
+    entries = {ratio: 0 for ratio in {b.ratio for b in layout.compressed_buffers()}}
+    for buffer in layout.compressed_buffers():
+        entries[buffer.ratio] += layout.row_bytes(buffer)
+    return {
+        WINDOW_SLOTS: layout.window_slot_bytes,
+        RECORDS: layout.record_bytes,
+        **{entry_kind(ratio): row_bytes for ratio, row_bytes in entries.items()},
+    }
+
+
+def allocation_bytes(storage: V4PoolStorage, rows: dict[str, int]) -> int:
+    """This host's memory that ``rows[kind]`` host rows of each kind take (padding rows included): the device
+    buffers' row widths here."""
+    kinds = device_kinds(storage)
+    return sum((rows[name] + 1) * sum(b[0].nbytes for b in kinds[name][1]) for name in kinds)

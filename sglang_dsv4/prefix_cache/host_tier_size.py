@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ConfigError
-from ..memory_pool.host_pools import device_kinds
+from ..memory_pool.host_pools import device_kinds, kind_row_bytes
 from ..memory_pool.storage import V4PoolStorage
 
 GB = 10**9
@@ -21,7 +21,8 @@ GB = 10**9
 
 def mirrored_device_bytes(storage: V4PoolStorage) -> int:
     """The device bytes of the rows the host tier mirrors."""
-    return sum(rows.capacity * sum(b[0].nbytes for b in buffers) for rows, buffers in device_kinds(storage).values())
+    row_bytes = kind_row_bytes(storage.layout)
+    return sum(rows.capacity * row_bytes[name] for name, (rows, _) in device_kinds(storage).items())
 
 
 def host_tier_bytes(storage: V4PoolStorage, *, ratio: float, size_gb: int) -> int:
@@ -30,7 +31,8 @@ def host_tier_bytes(storage: V4PoolStorage, *, ratio: float, size_gb: int) -> in
 
 
 def check_fits_host_memory(requested_bytes: int, available_bytes: int) -> None:
-    """Refuse a host tier larger than the host memory free now (SGLang's host pools refuse the same way)."""
+    """Refuse a host tier that takes more than the host memory free now (SGLang's host pools refuse the same
+    way)."""
     if requested_bytes > available_bytes:
         raise ConfigError(
             f"--enable-hierarchical-cache: the host tier asks {requested_bytes / GB:.2f} GB of host memory and "

@@ -36,6 +36,18 @@ def test_widthless_storage_counts_the_rows_the_real_one_does_in_no_bytes():
     assert widthless.allocated_bytes == widthless.tables.device_bytes < real.allocated_bytes
 
 
+def launch_view(**changes) -> SimpleNamespace:
+    """The server arguments ``check_emulation`` reads, as SGLang's defaults leave them, with ``changes``."""
+    defaults = dict(
+        disable_overlap_schedule=False,
+        speculative_algorithm=None,
+        enable_hierarchical_cache=False,
+        hicache_size=0,
+        disaggregation_mode="null",
+    )
+    return SimpleNamespace(**{**defaults, **changes})
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [
@@ -47,13 +59,7 @@ def test_widthless_storage_counts_the_rows_the_real_one_does_in_no_bytes():
 )
 def test_emulation_refuses_what_it_does_not_model(monkeypatch, flag, value):
     monkeypatch.setenv("SGLANG_DSV4_PLUGIN_EMULATE", "h200")
-    view = SimpleNamespace(
-        disable_overlap_schedule=False,
-        speculative_algorithm=None,
-        enable_hierarchical_cache=False,
-        hicache_size=0,
-        disaggregation_mode="null",
-    )
+    view = launch_view()
     check_emulation(view)
     setattr(view, flag, value)
     with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
@@ -61,13 +67,7 @@ def test_emulation_refuses_what_it_does_not_model(monkeypatch, flag, value):
 
 
 def test_emulation_takes_a_host_tier_of_the_size_given():
-    view = SimpleNamespace(
-        disable_overlap_schedule=False,
-        speculative_algorithm=None,
-        enable_hierarchical_cache=True,
-        hicache_size=0,
-        disaggregation_mode="null",
-    )
+    view = launch_view(enable_hierarchical_cache=True)
     with pytest.raises(ConfigError, match="--hicache-size: the emulated host's memory is not this host's"):
         check_emulation(view)
     view.hicache_size = 200

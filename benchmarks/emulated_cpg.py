@@ -4,8 +4,8 @@ Starts ``dsv4 emulate``'s server (one attention-DP rank of V4-Flash on 8 H200s, 
 --gpus 16`` of V4-Pro on two nodes; bf16 KV unless ``--kv-cache-dtype``; the ledger's pools of one GPU at
 ``--mem-fraction-static 0.85``) and runs AgentPerf's CPG search (``sglang_dsv4.agentperf``) on the recorded agent
 sessions at their recorded lengths (``--scale gpu``), or with ``--trace synthetic`` on AgentPerf's published shape
-(``sglang_dsv4.agentperf.synthetic``: ``--trajectories`` of them, seed 0), with two configurations of that one server switched through
-``/set_internal_state`` before every trial (the cache flushed):
+(``sglang_dsv4.agentperf.synthetic``: ``--trajectories`` of them, seed 0), with two configurations of that one
+server switched through ``/set_internal_state`` before every trial (the cache flushed):
 
 * ``ours``: exact prefix hits, ``per_request`` windows;
 * ``upstream-like``: hits only at 256-token pages (``aligned``), every written window kept (``all_committed``);
@@ -305,7 +305,7 @@ def main() -> None:
     parser.add_argument("--host-speed", type=float, default=1.0, help="the emulated host's time over this host's")
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
-    parser.add_argument("--host-tier", type=int, default=0, help="GB of host memory per rank (+host-tier configurations)")
+    parser.add_argument("--host-tier", type=int, default=0, help="GB of host memory a rank (+host-tier configurations)")
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
     parser.add_argument("--configurations", nargs="+", choices=CONFIGURATIONS, default=list(MODES))
     parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")

@@ -28,7 +28,8 @@ SESSION = 20_000
 def server(log_dir: Path):
     device = ("--max-total-tokens", "65536", "--max-running-requests", "8")
     args = (*device, "--enable-hierarchical-cache", "--hicache-size", str(HOST_TIER_GB))
-    with running_emulated_server("flash", *args, log_path=log_dir / "emulated_host_tier.log", context_length=32768) as url:
+    log_path = log_dir / "emulated_host_tier.log"
+    with running_emulated_server("flash", *args, log_path=log_path, context_length=32768) as url:
         yield url
 
 

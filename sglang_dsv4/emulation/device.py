@@ -157,10 +157,9 @@ class EmulatedDevice:
 
     def report(self) -> dict[str, float]:
         """Forwards, busy and waited seconds, the host tier's copies in seconds (loads on the copy engine, the
-        host held), the rank's seconds
-        since its first forward and occupancy so far (busy time queued ahead counted as done), the host-speed
-        factor, and the scheduler thread's time on this
-        host since its clock started (CPU, waiting for a CPU, settle sleeps; a clock's reading with each)."""
+        host held), the rank's seconds since its first forward and occupancy so far (busy time queued ahead
+        counted as done), the host-speed factor, and the scheduler thread's time on this host since its clock
+        started (CPU, waiting for a CPU, settle sleeps; a clock's reading with each)."""
         wall = 0.0 if self.first_issue is None else max(self.now(), self.busy_until) - self.first_issue
         return {
             **{name: round(seconds, 3) for name, seconds in self.rank_clock().spent().items()},

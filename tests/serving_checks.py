@@ -43,21 +43,16 @@ def reported_if_down(log_path: Path, sent: object) -> Iterator[None]:
 LOG_TAIL_LINES = 60
 
 
-def wait_until_idle(url: str) -> dict:
-    """SGLang's own load report once no request runs or waits and no token slot is in use (summed over
-    the DP ranks of an attention-DP server).
+def _sglang_load(url: str) -> dict:
+    """SGLang's own load report, summed over the DP ranks of an attention-DP server: running and waiting requests
+    and token slots in use.
 
     ``num_used_tokens`` is SGLang's count of slots neither free nor evictable by the prefix
     tree, so it reaches 0 when idle whether or not a radix cache keeps finished prefixes.
     """
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    loads = requests.get(f"{url}/v1/loads", timeout=30).json()["loads"]
     counts = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
-    while True:
-        loads = requests.get(f"{url}/v1/loads", timeout=30).json()["loads"]
-        load = {count: sum(rank[count] for rank in loads) for count in counts}
-        if not any(load.values()) or time.monotonic() > deadline:
-            return load
-        time.sleep(0.5)
+    return {count: sum(rank[count] for rank in loads) for count in counts}
 
 
 def assert_pools_idle(url: str) -> None:
@@ -79,8 +74,8 @@ def assert_pools_idle(url: str) -> None:
 def _rows_held_while_idle(url: str) -> list:
     """What stops the server counting as idle: SGLang's nonzero loads, or a rank whose token slots are neither
     free nor evictable."""
-    load = wait_until_idle(url)
-    if any(load[count] for count in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")):
+    load = _sglang_load(url)
+    if any(load.values()):
         return [load]
     return [
         (rank, slots)

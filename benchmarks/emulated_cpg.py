@@ -80,14 +80,9 @@ def on_host_tier(name: str) -> bool:
     return name.endswith(HOST_TIER)
 
 
-def device_time(url: str) -> dict:
-    return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]["dsv4_emulation"]
-
-
-def host_tier(url: str) -> dict | None:
-    """The host tier's report (what moved between the tiers), or None without one."""
-    state = requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]
-    return state["dsv4_prefix_cache"].get("host_tier")
+def rank_state(url: str) -> dict:
+    """The emulated rank's ``/server_info`` state."""
+    return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0]
 
 
 class WindowedServer(ChatServer):
@@ -196,7 +191,10 @@ async def search(
         return result, {server.name: server.windows for server in servers}
 
 
-def run(urls: dict[bool, str], names: list[str], trajectories: list, trace: str, args: argparse.Namespace) -> dict:
+def run(
+    urls: dict[bool, str], names: list[str], levels: dict[str, int], trajectories: list, trace: str,
+    args: argparse.Namespace,
+) -> dict:
     settings = Settings(
         slo=TIERS[args.slo],
         warmup_s=args.warmup_s,
@@ -210,12 +208,11 @@ def run(urls: dict[bool, str], names: list[str], trajectories: list, trace: str,
         served_history=False,
         seed=0,
     )
-    before = {tier: device_time(url) for tier, url in urls.items()}
+    before = {tier: rank_state(url) for tier, url in urls.items()}
     started = time.monotonic()
-    levels = at_levels(args.at)
     result, windows = asyncio.run(search(urls, names, trajectories, trace, settings, args.profile, levels))
     elapsed = time.monotonic() - started
-    after = {tier: device_time(url) for tier, url in urls.items()}
+    after = {tier: rank_state(url) for tier, url in urls.items()}
     table = markdown_table(result)
     print(table, flush=True)
     return {
@@ -241,7 +238,7 @@ def run(urls: dict[bool, str], names: list[str], trajectories: list, trace: str,
             for outcome in result.configurations
         },
         **{
-            SERVER_NAMES[tier]: server_figures(before[tier], after[tier], elapsed, urls[tier]) for tier in sorted(urls)
+            SERVER_NAMES[tier]: server_figures(before[tier], after[tier], elapsed) for tier in sorted(urls)
         },
         "table": table,
     }
@@ -250,9 +247,10 @@ def run(urls: dict[bool, str], names: list[str], trajectories: list, trace: str,
 SERVER_NAMES = {False: "server", True: "server with the host tier"}
 
 
-def server_figures(before: dict, after: dict, elapsed: float, url: str) -> dict:
-    """One server's emulated device over the run (busy, waited, occupancy over the run and over the rank's clock),
-    its emulation's report, and its host tier's (None without one)."""
+def server_figures(before_state: dict, after_state: dict, elapsed: float) -> dict:
+    """One server's emulated device between two readings of its state (busy, waited, occupancy over the run and
+    over the rank's clock), its emulation's report, and its host tier's (None without one)."""
+    before, after = before_state["dsv4_emulation"], after_state["dsv4_emulation"]
     busy = after["device_time"]["busy_s"] - before["device_time"]["busy_s"]
     waited = after["device_time"]["host_waited_s"] - before["device_time"]["host_waited_s"]
     rank_time = after["device_time"]["wall_s"] - before["device_time"]["wall_s"]
@@ -267,7 +265,7 @@ def server_figures(before: dict, after: dict, elapsed: float, url: str) -> dict:
         "emulation": {
             k: after[k] for k in ("gpus", "kv_dtype", "lockstep", "capacity", "resident_bytes", "device_time")
         },
-        "host_tier": host_tier(url),
+        "host_tier": after_state["dsv4_prefix_cache"].get("host_tier"),
     }
 
 
@@ -310,14 +308,15 @@ def main() -> None:
     parser.add_argument("--configurations", nargs="+", choices=CONFIGURATIONS, default=list(MODES))
     parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
     args = parser.parse_args()
-    names = list(at_levels(args.at)) or args.configurations
+    levels = at_levels(args.at)
+    names = list(levels) or args.configurations
     tiers = sorted({on_host_tier(name) for name in names})
     if True in tiers and args.host_tier <= 0:
         parser.error("+host-tier configurations need --host-tier GB")
     trajectories, trace = load_trajectories(args.trace, args.sessions, "gpu", args.trajectories, seed=0)
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as servers:
         urls = {tier: servers.enter_context(emulated_server(args, Path(scratch), tier)) for tier in tiers}
-        summary = run(urls, names, trajectories, trace, args)
+        summary = run(urls, names, levels, trajectories, trace, args)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "" if args.config == "flash" else f"{args.config}{args.gpus}_"
     name += "" if args.trace == "sessions" else f"{args.trace}{args.trajectories}_"

@@ -33,15 +33,16 @@ LOAD_ISSUE_S = {"bf16": 6.01e-3, "fp8": 5.92e-3}
 WRITE_BACK_S = {"bf16": 36.4e-3, "fp8": 26.0e-3}
 
 
-def session_share(kind: Any, rows: int) -> float:
-    """``rows`` rows of ``kind`` as a share of the measured session's bytes."""
-    return rows * kind.row_bytes / SESSION_BYTES[served_kv_dtype()]
+def session_share(kind: Any, rows: int, dtype: str) -> float:
+    """``rows`` rows of ``kind`` as a share of the measured session's bytes in the KV dtype ``dtype``."""
+    return rows * kind.row_bytes / SESSION_BYTES[dtype]
 
 
 def timed_load(original, kind: Any, host_rows: torch.Tensor, device_rows: torch.Tensor) -> None:
     """Around ``HostRowKind.restore``: the host issues the load, the copy engine lands it."""
     original(kind, host_rows, device_rows)
-    share, dtype = session_share(kind, len(host_rows)), served_kv_dtype()
+    dtype = served_kv_dtype()
+    share = session_share(kind, len(host_rows), dtype)
     device().hold_host(share * LOAD_ISSUE_S[dtype])
     device().load(share * (LOAD_S[dtype] - LOAD_ISSUE_S[dtype]))
 
@@ -50,5 +51,6 @@ def timed_write_back(original, kind: Any, device_rows: torch.Tensor) -> torch.Te
     """Around ``HostRowKind.save``: the host waits for the copy (none when the host was short and nothing moved)."""
     host_rows = original(kind, device_rows)
     if host_rows is not None:
-        device().hold_host(session_share(kind, len(device_rows)) * WRITE_BACK_S[served_kv_dtype()])
+        dtype = served_kv_dtype()
+        device().hold_host(session_share(kind, len(device_rows), dtype) * WRITE_BACK_S[dtype])
     return host_rows

@@ -176,12 +176,15 @@ class HostPools:
 def host_rows_for_bytes(storage: V4PoolStorage, capacity_bytes: int) -> dict[str, int]:
     """Rows of each kind for a host tier of at most ``capacity_bytes`` (padding rows included), in the device
     pool's proportions: each kind's device row count times the same factor."""
+    padding = sum(kind_row_bytes(storage.layout).values())  # one row of each kind
+    share = max(0, capacity_bytes - padding) / mirrored_device_bytes(storage)
+    return {name: int(rows.capacity * share) for name, (rows, _) in device_kinds(storage).items()}
+
+
+def mirrored_device_bytes(storage: V4PoolStorage) -> int:
+    """The device bytes of the rows the host tier mirrors."""
     row_bytes = kind_row_bytes(storage.layout)
-    kinds = {name: (rows, row_bytes[name]) for name, (rows, _) in device_kinds(storage).items()}
-    padding = sum(row_bytes for _, row_bytes in kinds.values())
-    device_bytes = sum(rows.capacity * row_bytes for rows, row_bytes in kinds.values())
-    share = max(0, capacity_bytes - padding) / device_bytes
-    return {name: int(rows.capacity * share) for name, (rows, _) in kinds.items()}
+    return sum(rows.capacity * row_bytes[name] for name, (rows, _) in device_kinds(storage).items())
 
 
 def device_kinds(storage: V4PoolStorage) -> dict[str, tuple[SharedRows, list[torch.Tensor]]]:

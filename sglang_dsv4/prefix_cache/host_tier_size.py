@@ -4,8 +4,9 @@ The host tier mirrors the kinds of device row a cached prefix keeps (window slot
 with their indexer keys: :func:`~sglang_dsv4.memory_pool.host_pools.device_kinds`), in the device pool's
 proportions. ``--hicache-size`` (GB, 10^9 bytes as SGLang's host pools count) is its size; otherwise
 ``--hicache-ratio`` times the device bytes of those kinds. With neither flag SGLang's auto-sizing lowers its
-default ratio (2.0) until the tier fits this host's memory, from :func:`mirrored_device_bytes` (through the hook
-:func:`estimate_hicache_bytes`: SGLang's own estimate has no case for the V4 pool).
+default ratio (2.0) until the tier fits this host's memory, from
+:func:`~sglang_dsv4.memory_pool.host_pools.mirrored_device_bytes` (through the hook :func:`estimate_hicache_bytes`:
+SGLang's own estimate has no case for the V4 pool).
 """
 
 from __future__ import annotations
@@ -13,16 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ConfigError
-from ..memory_pool.host_pools import device_kinds, kind_row_bytes
+from ..memory_pool.host_pools import mirrored_device_bytes
 from ..memory_pool.storage import V4PoolStorage
 
 GB = 10**9
-
-
-def mirrored_device_bytes(storage: V4PoolStorage) -> int:
-    """The device bytes of the rows the host tier mirrors."""
-    row_bytes = kind_row_bytes(storage.layout)
-    return sum(rows.capacity * row_bytes[name] for name, (rows, _) in device_kinds(storage).items())
 
 
 def host_tier_bytes(storage: V4PoolStorage, *, ratio: float, size_gb: int) -> int:

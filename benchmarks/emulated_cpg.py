@@ -13,6 +13,9 @@ server switched through ``/set_internal_state`` before every trial (the cache fl
   host's memory per rank (``--enable-hierarchical-cache --hicache-size``; its copies timed as ours on an H200),
   started beside the first when both kinds are compared and idle (``--sleep-on-idle``) while the other runs.
 
+``--max-total-tokens`` caps the device pool below what the GPU holds (SGLang's flag): a stand-in for sessions
+longer than the pool, where the host tier is meant to matter.
+
 Upstream's round-robin DP is not part of this run: it emulates one rank. CPG = the largest concurrency whose
 agents all meet the SLO tier, per GPU (this rank's GPU). Besides the search it reports the emulated device's
 occupancy over the whole run (busy seconds over wall seconds, and over the rank's clock, which leaves out this
@@ -27,7 +30,8 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
         [--warmup-s 10] [--max-concurrency 96] [--max-seconds 1500] [--host-speed 1.0] [--lockstep] \
         [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like] \
         [--config pro --gpus 16] [--trace synthetic --trajectories 128] \
-        [--configurations ours ours+host-tier --host-tier 200]
+        [--configurations ours ours+host-tier --host-tier 200] [--max-total-tokens 300000] [--trials 3] \
+        [--at ours=19 upstream-like=7]
 """
 
 from __future__ import annotations
@@ -130,17 +134,19 @@ async def one_trial_each(
     configurations: list[Configuration], servers: list, levels: dict[str, int], trajectories: list,
     settings: Settings, trace: str,
 ) -> BenchmarkResult:
-    """One trial of each configuration at its level, no search (its verdict, not a CPG)."""
+    """``settings.trials`` trials of each configuration at its level, interleaved, no search (their verdicts, not a
+    CPG)."""
     result = BenchmarkResult(settings, trace, [ConfigurationResult(c) for c in configurations])
     deadline = asyncio.get_running_loop().time() + settings.max_seconds
     budget, progress = RequestBudget(settings.max_requests), Progress(settings.max_seconds)
-    for outcome, server in zip(result.configurations, servers):
-        level = levels[outcome.configuration.name]
-        trial = await _trial(outcome, server, level, trajectories, settings, budget, deadline, progress)
-        if isinstance(trial, str):
-            result.stopped = trial
-            break
-        outcome.trials.append(trial)
+    for _ in range(settings.trials):
+        for outcome, server in zip(result.configurations, servers):
+            level = levels[outcome.configuration.name]
+            trial = await _trial(outcome, server, level, trajectories, settings, budget, deadline, progress)
+            if isinstance(trial, str):
+                result.stopped = trial
+                return result
+            outcome.trials.append(trial)
     return result
 
 
@@ -172,8 +178,8 @@ async def search(
     profile: Path | None, levels: dict[str, int],
 ) -> tuple:
     """AgentPerf's interleaved search over the configurations ``names`` (each on the server of ``urls`` with or
-    without the host tier), or, with ``levels``, one trial of each at its level; the result, and per configuration
-    its trials' windows (in trial order)."""
+    without the host tier), or, with ``levels``, ``settings.trials`` trials of each at its level; the result, and per
+    configuration its trials' windows (in trial order)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         model = await first_model(next(iter(urls.values())), session)
@@ -200,7 +206,7 @@ def run(
         warmup_s=args.warmup_s,
         measure_s=args.measure_s,
         request_timeout_s=slowest_passing_turn_s(trajectories, TIERS[args.slo]),
-        trials=1,
+        trials=args.trials,
         max_concurrency=args.max_concurrency,
         gpus=1,
         max_seconds=args.max_seconds,
@@ -304,9 +310,15 @@ def main() -> None:
     parser.add_argument("--lockstep", action="store_true", help="the DP ranks' extends stall this rank (docs)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (auto: bf16)")
     parser.add_argument("--host-tier", type=int, default=0, help="GB of host memory a rank (+host-tier configurations)")
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=0, help="SGLang's: a device pool of fewer token slots than the GPU's"
+    )
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
     parser.add_argument("--configurations", nargs="+", choices=CONFIGURATIONS, default=list(MODES))
-    parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: one trial each at that level, no search")
+    parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: trials at that level only, no search")
+    parser.add_argument(
+        "--trials", type=int, default=1, help="trials at each boundary level, the majority deciding (with --at: each)"
+    )
     args = parser.parse_args()
     levels = at_levels(args.at)
     names = list(levels) or args.configurations
@@ -323,8 +335,10 @@ def main() -> None:
     name += f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name += f"_hicache{args.host_tier}" if True in tiers else ""
+    name += f"_slots{args.max_total_tokens}" if args.max_total_tokens else ""
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
     name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""
+    name += f"_trials{args.trials}" if args.trials > 1 else ""
     (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (OUT / f"{name}.md").write_text(summary["table"])
 
@@ -332,8 +346,9 @@ def main() -> None:
 def emulated_server(args: argparse.Namespace, scratch: Path, with_host_tier: bool):
     """``dsv4 emulate``'s server for the run, with a host tier of ``--host-tier`` GB or without."""
     tier = ("--enable-hierarchical-cache", "--hicache-size", str(args.host_tier)) if with_host_tier else ()
+    slots = ("--max-total-tokens", str(args.max_total_tokens)) if args.max_total_tokens else ()
     return running_emulated_server(
-        args.config, "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype, *tier,
+        args.config, "--enable-cache-report", "--kv-cache-dtype", args.kv_cache_dtype, *tier, *slots,
         log_path=scratch / f"server{'_host_tier' if with_host_tier else ''}.log", gpus=args.gpus,
         context_length=args.context_length, env=ONE_TORCH_THREAD,
         timing={"host_speed": args.host_speed, "lockstep": args.lockstep},

@@ -11,9 +11,9 @@ A forward is a batch of requests, each with its new tokens and the context they 
   floor with the efficiencies of :class:`Rooflines`);
 * mHC, the MoE gate and the shared expert: **measured** beside them (``benchmarks/whole_layer_step.py``),
   interpolated in the batch's tokens, and never below the shared expert's FP8 roofline;
-* the routed experts (FP4 or FP8 weights, FP8 compute), the MoE's all-to-all (or a TP group's all-reduces) and
-  the sampler: **rooflines** with the efficiencies of :class:`Rooflines` (SGLang's CUDA kernels there were never
-  run by this project);
+* the routed experts (FP4 or FP8 weights, FP8 compute): **rooflines** at the efficiencies a grouped FP8 GEMM
+  was measured to reach (:class:`Rooflines`); the MoE's all-to-all (or a TP group's all-reduces) and the
+  sampler: rooflines at assumed efficiencies (SGLang's CUDA kernels there were never run by this project);
 
 plus the head, measured. The measured figures are package data (``h200_measurements.json``), extracted from the
 benchmark result files by :func:`extract_measurements` (``tests/test_emulation_timing.py`` checks they agree).
@@ -71,21 +71,29 @@ class Rooflines:
     """The H200's ceilings and the share of them SGLang's CUDA kernels are assumed to reach.
 
     Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, NVLink 900 GB/s both directions); the FP8 figure,
-    989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), so 50% of it is a quarter of the
-    dense peak (calibration: RESULTS "Emulated CPG" finds the model too fast already); the efficiencies are
-    assumptions, not measurements: a grouped FP4-weight GEMM at 60% of HBM bandwidth when memory-bound and 50%
-    of FP8 peak when compute-bound, DeepEP-class all-to-all at 40% of one direction of NVLink plus 25 us of
-    latency per dispatch-and-combine (or per layer's two all-reduces under tensor parallelism), sampling 40 us a
-    forward. Upstream's attention layer (:class:`RooflineAttention`): its
-    bytes at 70% of HBM bandwidth (FlashMLA's decode reaches about 90% on its own; the layer's small FP8 GEMMs
-    less), its FLOPs at 50% of FP8 peak, plus 10 us a layer for its kernels' launch gaps in a CUDA graph.
+    989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), a reference the efficiencies
+    below are taken against.
+
+    The routed experts' efficiencies are **measured** (``benchmarks/kernels/fp8_expert_gemm.py``,
+    ``results/fp8_expert_gemm_h100.json``: CUTLASS's grouped FP8 GEMM through torch, the class of SGLang's
+    DeepGEMM, over one GPU's experts at V4-Flash EP4 / EP8 and V4-Pro EP16, on an H100, the H200 device being
+    refused that day): once a decode batch touches every expert the weights stream at 2.21-2.31 TB/s, 0.73-0.77 of
+    that card's copy rate, which on an H200 (copy 4.27 TB/s) is 3.2 TB/s, 0.67 of 4.8; an 8K-token chunk a rank
+    computes at 890-1,001 TFLOP/s, 0.90-1.01 of 989 (FP8 compute is the same on both cards). Against the H100's
+    times with the memory-bound ones scaled to the H200's copy rate, the larger of the two floors is 0.84-1.12x
+    from 8 decode tokens to 8K-token chunks, and 0.6-0.8x at one decode token (a launch's fixed cost). FP4
+    weights are taken at FP8's efficiencies (never measured). The rest are assumptions: DeepEP-class all-to-all at 40% of one direction of NVLink plus
+    25 us of latency per dispatch-and-combine (or per layer's two all-reduces under tensor parallelism), sampling
+    40 us a forward. Upstream's attention layer (:class:`RooflineAttention`): its bytes at 70% of HBM bandwidth
+    (FlashMLA's decode reaches about 90% on its own; the layer's small FP8 GEMMs less), its FLOPs at 50% of
+    989 TFLOP/s, plus 10 us a layer for its kernels' launch gaps in a CUDA graph.
     """
 
     hbm_bytes_per_s: float = 4.8e12
     fp8_flops_per_s: float = 989e12
     nvlink_bytes_per_s: float = 450e9
-    expert_bandwidth_efficiency: float = 0.6
-    expert_compute_efficiency: float = 0.5
+    expert_bandwidth_efficiency: float = 0.67
+    expert_compute_efficiency: float = 0.9
     all_to_all_efficiency: float = 0.4
     all_to_all_latency_s: float = 25e-6
     sampling_s: float = 40e-6

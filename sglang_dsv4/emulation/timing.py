@@ -68,7 +68,7 @@ class ForwardShape:
 
 @dataclass(frozen=True)
 class Rooflines:
-    """The H200's ceilings and the share of them SGLang's CUDA kernels are assumed to reach.
+    """The H200's ceilings and the share of them SGLang's CUDA kernels reach (measured for the routed experts).
 
     Peaks from NVIDIA's H200 SXM datasheet (HBM3e 4.8 TB/s, NVLink 900 GB/s both directions); the FP8 figure,
     989 TFLOP/s, is half the datasheet's dense FP8 (1,979; 3,958 with sparsity), a reference the efficiencies

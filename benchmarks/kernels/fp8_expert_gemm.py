@@ -55,8 +55,8 @@ def expert_weights(experts: int, out_features: int, in_features: int) -> tuple[t
 
 
 def group_ends(rows_per_expert: torch.Tensor, pad: int) -> tuple[torch.Tensor, int]:
-    rows = (rows_per_expert + pad - 1) // pad * pad if pad > 1 else rows_per_expert
-    ends = rows.cumsum(0).to(torch.int32)
+    """Each expert's end row, its rows rounded up to a multiple of ``pad``, and the rows in all."""
+    ends = ((rows_per_expert + pad - 1) // pad * pad).cumsum(0).to(torch.int32)
     return ends, int(ends[-1])
 
 

@@ -31,7 +31,7 @@ summary, not the turns) go to ``benchmarks/results/emulated_cpg/``.
         [--kv-cache-dtype fp8_e4m3] [--profile /tmp/profiles] [--configurations ours upstream-like] \
         [--config pro --gpus 16] [--trace synthetic --trajectories 128] \
         [--configurations ours ours+host-tier --host-tier 200] [--max-total-tokens 300000] [--trials 3] \
-        [--at ours=19 upstream-like=7]
+        [--at ours=19 upstream-like=7] [--context-length 196608] [--out PATH]
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ from sglang_dsv4.launch import ONE_TORCH_THREAD, running_emulated_server
 REPOSITORY = Path(__file__).resolve().parents[1]
 SESSIONS = REPOSITORY.parent / "shared" / "data" / "agentic_trajectories.jsonl.gz"
 OUT = REPOSITORY / "benchmarks" / "results" / "emulated_cpg"
+CONTEXT_LENGTH = 131072
+"""SGLang's --context-length for the server; turns longer than it are refused (counted in the results)."""
 PY_SPY = Path(sys.executable).parent / "py-spy"
 MODES = {
     "ours": {"dsv4_prefix_hits": "exact", "dsv4_window_policy": "per_request"},
@@ -302,7 +304,7 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=30.0)
     parser.add_argument("--max-concurrency", type=int, default=96)
     parser.add_argument("--max-seconds", type=float, default=1500.0)
-    parser.add_argument("--context-length", type=int, default=131072)
+    parser.add_argument("--context-length", type=int, default=CONTEXT_LENGTH)
     parser.add_argument("--trace", default="sessions", choices=["sessions", "synthetic"], help="what the agents run")
     parser.add_argument("--sessions", type=Path, default=SESSIONS, help="the recorded sessions (jsonl.gz)")
     parser.add_argument("--trajectories", type=int, default=128, help="synthetic trajectories to draw")
@@ -314,6 +316,7 @@ def main() -> None:
         "--max-total-tokens", type=int, default=0, help="SGLang's: a device pool of fewer token slots than the GPU's"
     )
     parser.add_argument("--profile", type=Path, help="a folder for py-spy's samples of each trial's window")
+    parser.add_argument("--out", type=Path, help="where the results go (PATH.json, PATH.md); named after the run")
     parser.add_argument("--configurations", nargs="+", choices=CONFIGURATIONS, default=list(MODES))
     parser.add_argument("--at", nargs="+", default=[], help="NAME=LEVEL ...: trials at that level only, no search")
     parser.add_argument(
@@ -329,18 +332,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as servers:
         urls = {tier: servers.enter_context(emulated_server(args, Path(scratch), tier)) for tier in tiers}
         summary = run(urls, names, levels, trajectories, trace, args)
-    OUT.mkdir(parents=True, exist_ok=True)
     name = "" if args.config == "flash" else f"{args.config}{args.gpus}_"
     name += "" if args.trace == "sessions" else f"{args.trace}{args.trajectories}_"
     name += f"{args.slo}_{args.measure_s:g}s_host{args.host_speed:g}" + ("_lockstep" if args.lockstep else "")
     name += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name += f"_hicache{args.host_tier}" if True in tiers else ""
     name += f"_slots{args.max_total_tokens}" if args.max_total_tokens else ""
+    name += f"_context{args.context_length}" if args.context_length != CONTEXT_LENGTH else ""
     name += "" if args.configurations == list(MODES) else "_" + "+".join(args.configurations)
     name += "_at_" + "_".join(args.at).replace("=", "") if args.at else ""
     name += f"_trials{args.trials}" if args.trials > 1 else ""
-    (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (OUT / f"{name}.md").write_text(summary["table"])
+    out = args.out or OUT / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    Path(f"{out}.md").write_text(summary["table"])
 
 
 def emulated_server(args: argparse.Namespace, scratch: Path, with_host_tier: bool):

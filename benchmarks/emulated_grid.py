@@ -114,7 +114,7 @@ def table(grid: dict) -> str:
         f"Grid at `{grid['commit']}`, {len(grid['cells'])} cells, {grid['parallel']} at a time: "
         f"{grid['grid_wall_s'] / 60:.1f} min. Common arguments: `{' '.join(grid['common'])}`.",
         "",
-        "| cell | arguments | CPG per configuration | ratio | trials | search min | closed | wall behind rank clock, most |",
+        "| cell | arguments | CPG per configuration | ratio | trials | search min | closed | wall behind, most |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in grid["cells"].items():

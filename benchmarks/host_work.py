@@ -44,10 +44,15 @@ PHASES = ("match", "hand_to_session", "table_flush", "prompt_checkpoint", "reque
 SGLANG_PHASES = ("sglang_prefix_row",)
 
 
-def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions: int) -> dict[str, float]:
+def measure(
+    history: int, seed_turns: int, turns: int, new_tokens: int, sessions: int, foreign: int = 0
+) -> dict[str, float]:
     """Median milliseconds of each of our calls in a resumed turn of ``sessions`` interleaved sessions whose
     histories add up to ``history`` tokens (one session: ``history`` tokens; more: they share a system prompt and
-    take turns round robin, the token pool holding 3/4 of their tokens, so that SGLang evicts)."""
+    take turns round robin, the token pool holding 3/4 of their tokens, so that SGLang evicts). ``foreign``: before
+    each timed turn, the Python work SGLang's scheduler does on receiving a prompt of that many tokens (the
+    unpickled list; at the match and at the request's end, the request's list with its output and the radix key's
+    array of it), none of it ours."""
     import torch
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
@@ -106,6 +111,10 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
     def turn(sequence: list[int], new: int, number: int) -> list[int]:
         """One turn as SGLang runs it: match, row, bind, prompt checkpoint, one decode step, request checkpoint,
         release."""
+        if foreign_prompt is not None:  # SGLang's lists and keys of a long prompt, beside a short history's calls
+            received = foreign_prompt.tolist()  # the unpickled request
+            keys = [array("q", received + [0]) for _ in range(2)]  # the fill ids and key at the match, at the end
+            del received, keys
         prompt = sequence + [rng.randrange(1024) for _ in range(new)]
         match = timed("match", tree.match_prefix, MatchPrefixParams(key=RadixKey(array("q", prompt[:-1]))))
         req = Request(number, array("q", prompt + [0]), array("q", prompt), match.device_prefix_len)
@@ -133,7 +142,7 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
         timed("release_row", release, req, row, length + 1)
         return list(req.full_untruncated_fill_ids[: length + 1])
 
-    system = [rng.randrange(1024) for _ in range(min(2000, each // 2))]
+    system, foreign_prompt = [rng.randrange(1024) for _ in range(min(2000, each // 2))], None
     histories = [list(system) for _ in range(sessions)]
     number = 0
     for step in range(seed_turns):
@@ -143,6 +152,8 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
             number += 1
     for times_of_phase in times.values():
         times_of_phase.clear()
+    if foreign:
+        foreign_prompt = array("q", (rng.randrange(1024) for _ in range(foreign)))
     for step in range(turns):
         session = step % sessions
         histories[session] = turn(histories[session], new_tokens, number)
@@ -150,7 +161,7 @@ def measure(history: int, seed_turns: int, turns: int, new_tokens: int, sessions
     result = {phase: statistics.median(values) for phase, values in times.items()}
     result["ours"] = sum(result[phase] for phase in PHASES)
     result["history"] = sum(len(h) for h in histories)
-    result["sessions"] = sessions
+    result["sessions"], result["foreign"] = sessions, foreign
     result["path_nodes"] = path_nodes(tree)
     return result
 
@@ -201,13 +212,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--sessions", default="1,32", help="interleaved sessions, each count a measurement")
     parser.add_argument("--before", help="a git revision to measure beside the working tree")
+    parser.add_argument(
+        "--foreign", default="",
+        help="prompt lengths: for each, one session at the first history with SGLang's receipt of a prompt that long "
+        "before each turn (what the cache of a long history's turn loses to work not ours)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_work.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     histories = [int(h) for h in args.histories.split(",")]
+    foreign = [int(f) for f in args.foreign.split(",") if f]
     if args.child:
-        counts = [int(c) for c in args.sessions.split(",")]
+        counts = [int(c) for c in args.sessions.split(",") if c]
         measured = [measure(h, args.seed_turns, args.turns, args.new_tokens, c) for c in counts for h in histories]
+        measured += [measure(histories[0], args.seed_turns, args.turns, args.new_tokens, 1, f) for f in foreign]
         print(json.dumps(measured))
         return
     with tempfile.TemporaryDirectory() as scratch:
@@ -225,23 +243,32 @@ def main() -> None:
                           str(args.turns), "--new-tokens", str(args.new_tokens), "--sessions", count]  # fmt: skip
                 for name, package in packages.items():
                     versions[name] += run_over(package, passed)
+        for tokens in foreign:
+            passed = ["--histories", str(histories[0]), "--seed-turns", str(args.seed_turns), "--turns",
+                      str(args.turns), "--new-tokens", str(args.new_tokens), "--sessions", "", "--foreign",
+                      str(tokens)]  # fmt: skip
+            for name, package in packages.items():
+                versions[name] += run_over(package, passed)
     print(f"our calls per resumed turn (+{args.new_tokens} tokens, 1 output), median wall ms; SGLang's own after ours")
     shown = (*PHASES, "ours", *SGLANG_PHASES)
-    header = f"{'sessions':>8} {'history':>9} {'nodes':>6} " + " ".join(f"{p:>18}" for p in shown)
+    header = f"{'sessions':>8} {'history':>9} {'nodes':>6} {'foreign':>8} " + " ".join(f"{p:>18}" for p in shown)
     for name, rows in versions.items():
         print(f"\n{name}\n{header}")
         for row in rows:
             cells = " ".join(f"{row[p]:18.3f}" for p in shown)
-            print(f"{row['sessions']:8d} {row['history']:9d} {row['path_nodes']:6d} {cells}")
+            print(f"{row['sessions']:8d} {row['history']:9d} {row['path_nodes']:6d} {row['foreign']:8d} {cells}")
     if args.before:
         print("\nours, now / before: " + ", ".join(
             f"{n['sessions']}x{n['history']}: {n['ours'] / b['ours']:.2f}x"
             for b, n in zip(versions["before"], versions["now"], strict=True)))
-    now = versions["now"]
+    now = [r for r in versions["now"] if not r["foreign"]]
     for count in sorted({r["sessions"] for r in now}):
         rows = [r for r in now if r["sessions"] == count]
         print(f"{count} session(s), ours at each history / at the first: "
               + ", ".join(f"{r['history']}: {r['ours'] / rows[0]['ours']:.2f}x" for r in rows))  # fmt: skip
+    for row in (r for r in versions["now"] if r["foreign"]):
+        print(f"at {row['history']} with a {row['foreign']}-token prompt received before each turn: ours "
+              f"{row['ours'] / now[0]['ours']:.2f}x the first history's")
     record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

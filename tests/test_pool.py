@@ -382,11 +382,12 @@ def assert_twins_equal(tables: RequestTables) -> None:
         assert torch.equal(tables.on_device.entry_table[ratio], table), f"ratio {ratio}"
 
 
-@pytest.mark.parametrize("long_span", [request_tables.LONG_SPAN, 16])
+@pytest.mark.parametrize("long_span", [request_tables.LONG_SPAN, 16, 1 << 30])
 def test_the_device_tables_change_only_at_a_flush_and_then_equal_the_hosts(tiny_model, long_span, monkeypatch):
     """Rows bound fresh and from checkpoints, reserved in prefill and decode steps, trimmed under both
     window policies, snapshots planned and taken, rows freed: after each flush the twins equal the
-    host tables, and between flushes they keep what the last one copied (long spans noted as spans too)."""
+    host tables, and between flushes they keep what the last one copied (spans noted as spans from the default
+    width, from 16 columns, and never)."""
     monkeypatch.setattr(request_tables, "LONG_SPAN", long_span)
     pool = V4KVPool(4096, 1, tiny_model.config, torch.float32, max_requests=4, max_context=1024, device="cpu")
     tables = with_device_twins(pool.storage.tables)

@@ -99,6 +99,7 @@ def summary(cells: list[Cell], ran: dict, parallel: int) -> dict:
             "cpg": {name: c["cpg"] for name, c in result["configurations"].items()},
             "complete": {name: c["complete"] for name, c in result["configurations"].items()},
             "trials": sum(len(c["trials"]) for c in result["configurations"].values()),
+            "boundary": {name: boundary(c) for name, c in result["configurations"].items()},
             "wall_behind_rank_max": max(
                 (t["window"]["wall_behind_rank_share"] for c in result["configurations"].values()
                  for t in c["trials"] if t["window"]),
@@ -107,6 +108,16 @@ def summary(cells: list[Cell], ran: dict, parallel: int) -> dict:
         }
     return {"commit": commit, "common": list(COMMON), "parallel": parallel, "grid_wall_s": ran["grid_wall_s"],
             "cells": rows}  # fmt: skip
+
+
+def boundary(configuration: dict) -> dict | None:
+    """The measured window of the passing trial at a configuration's CPG: the device's occupancy over the rank's
+    clock, its time a forward, the scheduler's host time a forward at the H200 host's speed."""
+    passing = [t for t in configuration["trials"] if t["passed"] and t["concurrency"] == configuration["cpg"]]
+    if not passing or not passing[-1]["window"]:
+        return None
+    window = passing[-1]["window"]
+    return {k: window[k] for k in ("occupancy", "device_step_ms", "host_ms_per_forward_scaled")}
 
 
 def table(grid: dict) -> str:
@@ -129,6 +140,19 @@ def table(grid: dict) -> str:
         closed = "yes" if all(row["complete"].values()) and not row["stopped"] else f"no ({row['stopped']})"
         lines.append(f"| {name} | `{arguments}` | {shown} | {ratio} | {row['trials']} | "
                      f"{row['search_s'] / 60:.1f} | {closed} | {row['wall_behind_rank_max']:.1%} |")  # fmt: skip
+    lines += [
+        "",
+        "At each boundary (the passing trial at the CPG): device busy over the rank's clock, its time a forward, the "
+        "scheduler's host time a forward at the H200 host's speed.",
+        "",
+        "| cell | configuration | occupancy | device ms a forward | host ms a forward |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in grid["cells"].items():
+        for configuration, figures in row.get("boundary", {}).items():
+            if figures:
+                occupancy, device, host = (figures[k] for k in ("occupancy", "device_step_ms", "host_ms_per_forward_scaled"))
+                lines.append(f"| {name} | {configuration} | {occupancy:.3f} | {device:.1f} | {host:.2f} |")
     return "\n".join(lines) + "\n"
 
 

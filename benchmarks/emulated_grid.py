@@ -110,6 +110,9 @@ def summary(cells: list[Cell], ran: dict, parallel: int) -> dict:
             "cells": rows}  # fmt: skip
 
 
+BOUNDARY_FIGURES = ("occupancy", "device_step_ms", "host_ms_per_forward_scaled")
+
+
 def boundary(configuration: dict) -> dict | None:
     """The measured window of the passing trial at a configuration's CPG: the device's occupancy over the rank's
     clock, its time a forward, the scheduler's host time a forward at the H200 host's speed."""
@@ -117,7 +120,7 @@ def boundary(configuration: dict) -> dict | None:
     if not passing or not passing[-1]["window"]:
         return None
     window = passing[-1]["window"]
-    return {k: window[k] for k in ("occupancy", "device_step_ms", "host_ms_per_forward_scaled")}
+    return {k: window[k] for k in BOUNDARY_FIGURES}
 
 
 def table(grid: dict) -> str:
@@ -151,7 +154,7 @@ def table(grid: dict) -> str:
     for name, row in grid["cells"].items():
         for configuration, figures in row.get("boundary", {}).items():
             if figures:
-                occupancy, device, host = (figures[k] for k in ("occupancy", "device_step_ms", "host_ms_per_forward_scaled"))
+                occupancy, device, host = (figures[k] for k in BOUNDARY_FIGURES)
                 lines.append(f"| {name} | {configuration} | {occupancy:.3f} | {device:.1f} | {host:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -901,3 +901,20 @@ def test_the_vectorized_token_compare_matches_sglangs_match_at(node_tokens, toke
     offset = min(offset, len(key))
     with patch.object(tree_module, "VECTORIZED_FROM", 0):
         assert _tokens_matched(node_key, key, offset) == node_key.match_at(key, offset)
+
+
+@pytest.mark.parametrize("by", ["memcmp", "numpy"])
+def test_a_session_ends_tokens_compare_equal_only_where_every_token_is(monkeypatch, by):
+    """The compare a match starts from a remembered end with (C's ``memcmp``, or numpy's where there is none): equal
+    up to ``count`` tokens however long the buffer, unequal for a token changed anywhere before ``count``."""
+    import numpy as np
+
+    if by == "numpy":
+        monkeypatch.setattr(tree_module, "_MEMCMP", None)
+    tokens, buffer = array("q", range(5000)), np.arange(6000, dtype=np.int64)
+    assert tree_module._same_words(buffer, tokens, 5000)
+    for at in (0, 1, 2047, 4999):
+        changed = array("q", tokens)
+        changed[at] += 1 << 40
+        assert not tree_module._same_words(buffer, changed, 5000), at
+        assert tree_module._same_words(buffer, changed, at), at

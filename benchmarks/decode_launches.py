@@ -37,6 +37,7 @@ from sglang_dsv4.kernels.attention import choose_splits, launch_shape, sparse_de
 from sglang_dsv4.kernels.indexer import index_scores, index_scores_reference
 from sglang_dsv4.kernels.sparse_torch import sparse_decode_attention_reference
 from sglang_dsv4.kernels.selection import KVSelection
+from sglang_dsv4.memory_pool.ledger import KV_DTYPES
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
@@ -44,11 +45,12 @@ from attention_indexer import Timer, relative_error, same_sets  # noqa: E402
 from engine_step import DEVICE, DTYPE, DecodeStep, build_attention, build_pools  # noqa: E402
 
 
-def profile_step(kind: str, batch: int, context: int) -> dict:
-    """Device kernels of the index build and of one layer's step, eagerly: name -> (count, total µs)."""
+def profile_step(kind: str, batch: int, context: int, kv: str = "bf16") -> dict:
+    """Device kernels of the index build and of one layer's step over ``kv`` pools, eagerly: name -> (count,
+    total µs)."""
     config = named_config("flash")
     layer, attention = build_attention(config, kind)
-    step = DecodeStep(config, attention, layer, build_pools(config, layer, batch, context), batch)
+    step = DecodeStep(config, attention, layer, build_pools(config, layer, batch, context, KV_DTYPES[kv]), batch)
     index = step.graph_index.build(step.rows, step.seq_lens)
     parts = {"index": partial(step.graph_index.build, step.rows, step.seq_lens), "layer": partial(step.layer_step, index)}
     result = {}
@@ -70,7 +72,7 @@ def profile_step(kind: str, batch: int, context: int) -> dict:
             "device_us": sum(us for _, us in kernels.values()),
             "top": [(n, c, round(us, 1)) for n, (c, us) in ranked[:25]],
         }
-    return {"kind": kind, "batch": batch, "context": context, **result}
+    return {"kind": kind, "batch": batch, "context": context, "kv": kv, **result}
 
 
 def bench_top_k(timer: Timer, rows: int, width: int, k: int = 512) -> dict:
@@ -208,6 +210,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sections", default="top_k,splits,profile,dtypes")
+    parser.add_argument("--kv-dtypes", default="bf16", help="the pools the profile section's steps read")
+    parser.add_argument("--profile-batches", default="1,64")
     args = parser.parse_args()
     sections = args.sections.split(",")
     timer = Timer(budget_ms=100)
@@ -234,9 +238,10 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 record("dtypes", bench_dtype(timer, model, dtype))
     if "profile" in sections:
-        for batch in (1, 64):
+        for batch in map(int, args.profile_batches.split(",")):
             for kind in ("window", "csa", "hca"):
-                record("profile", profile_step(kind, batch, 8192))
+                for kv in args.kv_dtypes.split(","):
+                    record("profile", profile_step(kind, batch, 8192, kv))
 
 
 if __name__ == "__main__":

@@ -87,15 +87,19 @@ def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype, fp8_keys):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
 def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
-    """The one-launch encode of FP8 entry rows (window rows, compressed entries) and indexer-key rows."""
-    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows
+    """The one-launch encode of FP8 entry rows (window rows, compressed entries) and indexer-key rows, returned
+    and written into a pool's rows."""
+    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows, encode_fp8_rows_into
     from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
 
     config = named_config(model)
     before = len(hopper.compiled)
-    encode_fp8_rows(torch.zeros(3, config.head_dim, dtype=dtype), Fp8EntryRows(config.head_dim, config.rope_head_dim))
-    encode_fp8_rows(torch.zeros(3, config.index_head_dim, dtype=dtype), Fp8KeyRows(config.index_head_dim))
-    assert_fits(hopper, before, 2)
+    rows = torch.arange(3)
+    for row_format in (Fp8EntryRows(config.head_dim, config.rope_head_dim), Fp8KeyRows(config.index_head_dim)):
+        values = torch.zeros(3, row_format.dim, dtype=dtype)
+        encode_fp8_rows(values, row_format)
+        encode_fp8_rows_into(values, row_format, row_format.empty(4, "cpu"), rows)
+    assert_fits(hopper, before, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -151,8 +155,9 @@ def test_top_k_fits_at_decode_widths(hopper, width):
 @pytest.mark.parametrize("model", MODELS)
 def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
     """Every compressor of the config: each ratio's, and the indexer's; returning its entries, and the served
-    step's one launch writing the entry rows and records too."""
+    step's one launch writing the entry rows and records too, in the projections' dtype and as FP8 rows."""
     from sglang_dsv4.kernels.compressor import CompressorWeights, DecodeRecords, compress_decode, compress_decode_into
+    from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
 
     config = named_config(model)
     before = len(hopper.compiled)
@@ -175,19 +180,25 @@ def test_compressor_decode_fits_in_every_dtype(hopper, model, dtype):
         records = DecodeRecords(torch.zeros_like(state), torch.zeros_like(state), torch.tensor([0, 2]))
         entries = torch.zeros(4, dim, dtype=dtype)
         compress_decode_into(projected, projected, positions, state, rows, weights, records, entries, rows)
-    assert_fits(hopper, before, 2 * len(kinds))
+        keys = dim == config.index_head_dim
+        stored_as = Fp8KeyRows(dim) if keys else Fp8EntryRows(dim, config.rope_head_dim)
+        entries = stored_as.empty(4, "cpu")
+        compress_decode_into(projected, projected, positions, state, rows, weights, records, entries, rows, stored_as)
+    assert_fits(hopper, before, 3 * len(kinds))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
 def test_compressor_pair_decode_fits_in_every_dtype(hopper, model, dtype):
-    """A ratio-4 layer's compressor and its indexer's in one decode launch, at the config's dims."""
+    """A ratio-4 layer's compressor and its indexer's in one decode launch, at the config's dims, their entries in
+    the projections' dtype and as FP8 rows."""
     from sglang_dsv4.kernels.compressor import CompressorWeights, DecodeInto, DecodeRecords, compress_decode_pair_into
+    from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
 
     config = named_config(model)
     positions = torch.zeros(2, dtype=torch.int64)
 
-    def step(dim: int) -> DecodeInto:
+    def step(dim: int, stored_as=None) -> DecodeInto:
         state = torch.zeros(3, 3, 3, dim)
         weights = CompressorWeights(
             torch.zeros(config.csa_rate, 2 * dim, dtype=dtype), torch.ones(dim, dtype=dtype), 1e-6,
@@ -196,13 +207,15 @@ def test_compressor_pair_decode_fits_in_every_dtype(hopper, model, dtype):
         rows = torch.zeros(2, dtype=torch.int64)
         projections = torch.zeros(2, 2 * dim, dtype=dtype)
         records = DecodeRecords(state, state, rows)
-        entries = torch.zeros(3, dim, dtype=dtype)
-        return DecodeInto(projections, projections, state, rows, weights, records, entries, rows)
+        entries = torch.zeros(3, dim, dtype=dtype) if stored_as is None else stored_as.empty(3, "cpu")
+        return DecodeInto(projections, projections, state, rows, weights, records, entries, rows, stored_as)
 
     before = len(hopper.compiled)
     compress_decode_pair_into(positions, step(config.head_dim), step(config.index_head_dim))
-    assert_fits(hopper, before, 1)
-    assert [name for name, _ in hopper.new_since(before)] == ["_compress_decode_pair"]
+    entries_as, keys_as = Fp8EntryRows(config.head_dim, config.rope_head_dim), Fp8KeyRows(config.index_head_dim)
+    compress_decode_pair_into(positions, step(config.head_dim, entries_as), step(config.index_head_dim, keys_as))
+    assert_fits(hopper, before, 2)
+    assert [name for name, _ in hopper.new_since(before)] == ["_compress_decode_pair"] * 2
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -22,7 +22,7 @@ from kernel_testing import (
     run_under_interpreter,
 )
 
-from sglang_dsv4.kernels.kv_format import Fp8EntryRows, PlainRows
+from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows, PlainRows
 from sglang_dsv4.model.compressor import Compressor
 from sglang_dsv4.model.rope import Rotary
 
@@ -208,9 +208,9 @@ def test_batched_decode_on_the_kernel_equals_the_batched_torch_pools(
 ):
     """The batched core's decode step on CUDA (``batched._advance`` where dispatch chooses the decode kernel)
     writes what its torch pools of any forward (``batched._advance_pooled``) write: entry rows, states, the
-    records one step back, snapshots. Entries stored in the projections' dtype are written by the kernel
-    itself (``in_kernel``: one launch); stored in another, they are encoded and copied after it (``fp8``: DeepSeek's
-    FP8 rows, encoded by their Triton launch).
+    records one step back, snapshots. Entries stored in the projections' dtype, or as DeepSeek's FP8 rows, are
+    written by the kernel itself (``in_kernel``, ``fp8``: one launch); stored in another dtype, they are encoded
+    and copied after it (``encoded_after``).
 
     Requests sit at every kind of position (the first token, inside a block, a block's last token, the
     first after one), two padded rows decode position 0 of row 0, some rows take a snapshot; the
@@ -345,8 +345,8 @@ def test_two_compressors_in_one_launch_write_what_each_writes_alone(kernel, seco
 @pytest.mark.parametrize("stored_dtype", [torch.float32, torch.float8_e4m3fn], ids=["in_kernel", "fp8"])
 def test_a_ratio4_layers_pair_decode_equals_the_batched_torch_pools(kernel, monkeypatch, stored_dtype):
     """``batched._advance_pair`` (a ratio-4 layer's compressor and its indexer's) in a decode forward where dispatch
-    chooses the kernels (``in_kernel``: the pair launch; ``fp8``: entries stored in FP8 rows, so each compressor on
-    its own) writes what the batched torch pools write: entry and key rows, states, records one step back,
+    chooses the kernels (the pair launch, its entries stored as computed, ``in_kernel``, or as FP8 rows, ``fp8``)
+    writes what the batched torch pools write: entry and key rows, states, records one step back,
     snapshots. Requests at every kind of position, padded rows, NaN in the pools the positions say are empty."""
     import dataclasses
     import types
@@ -394,7 +394,7 @@ def test_a_ratio4_layers_pair_decode_equals_the_batched_torch_pools(kernel, monk
         pair_launches, pair_into = [], kernel.compress_decode_pair_into
         monkeypatch.setattr(kernel, "compress_decode_pair_into", lambda *a: pair_launches.append(a) or pair_into(*a))
         batched._advance_pair(*sides["kernel"], x, index)
-    assert len(pair_launches) == (1 if stored_dtype == torch.float32 else 0)
+    assert len(pair_launches) == 1
 
     real = rows[rows > 0]
     for (_, kernel_rows, kernel_records), (_, torch_rows, torch_records) in zip(sides["kernel"], sides["torch"]):
@@ -406,3 +406,41 @@ def test_a_ratio4_layers_pair_decode_equals_the_batched_torch_pools(kernel, monk
         for name, chosen in (("state", slice(1, None)), ("previous", real), ("checkpoint", slice(1, None))):
             actual, expected = getattr(kernel_records, name)[chosen], getattr(torch_records, name)[chosen]
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=name == "previous", msg=name)
+
+
+@interpreted_only
+@pytest.mark.parametrize("pair", [False, True], ids=["alone", "pair"])
+def test_fp8_rows_the_decode_kernel_stores_are_its_entries_encoded_byte_for_byte(kernel, pair):
+    """The decode kernel storing DeepSeek's FP8 rows itself (entry rows, UE8M0 scales and bf16 rope; indexer-key
+    rows, float32 scales and padding) writes at each entry row the bytes the Triton encode gives for the entries it
+    returns in the projections' dtype, and leaves every other row as it was; alone, and in the pair launch (a
+    ratio-4 layer's compressor and its indexer's)."""
+    import dataclasses
+
+    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows
+
+    compressors = [random_compressor(4, True, torch.bfloat16, seed=80), random_compressor(4, True, torch.bfloat16, 81)]
+    formats = [Fp8EntryRows(DIM, ROPE_DIM), Fp8KeyRows(DIM)]
+    positions = [1, 3, 0, 4, 7, 23, 15]
+    x = torch.randn(len(positions), HIDDEN, generator=torch.Generator().manual_seed(82)).to(torch.bfloat16)
+    at = torch.tensor(positions)
+    steps, expected = [], []
+    for seed, (compressor, stored_as) in enumerate(zip(compressors, formats, strict=True)):
+        step = decode_step(kernel, compressor, x, positions, seed)
+        plain = cloned(kernel, step)
+        entries = kernel.compress_decode(step.kv, step.gate, at, plain.state, plain.state_rows, step.weights)
+        pool = torch.randint(0, 256, (20, stored_as.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(83))
+        wanted = pool.clone()
+        wanted[step.entry_rows] = encode_fp8_rows(entries, stored_as)  # row 0 twice: both zeros encoded
+        steps.append(dataclasses.replace(step, entries=pool, stored_as=stored_as))
+        expected.append(wanted)
+    if pair:
+        kernel.compress_decode_pair_into(at, *steps)
+    else:
+        for step in steps:
+            kernel.compress_decode_into(
+                step.kv, step.gate, at, step.state, step.state_rows, step.weights, step.records, step.entries,
+                step.entry_rows, step.stored_as,
+            )  # fmt: skip
+    for step, wanted in zip(steps, expected, strict=True):
+        assert torch.equal(step.entries, wanted), type(step.stored_as).__name__

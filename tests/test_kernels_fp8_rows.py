@@ -121,3 +121,19 @@ def test_rows_encoded_in_one_launch_equal_the_codec_byte_for_byte(row_format, dt
 
     values = values_to_encode(row_format, seed=row_format.dim).to(dtype).to(DEVICE)
     assert torch.equal(encode_fp8_rows(values, row_format), row_format.encode(values))
+
+
+@runs_kernels
+@pytest.mark.parametrize("row_format", [Fp8EntryRows(512, 64), Fp8KeyRows(128)], ids=repr)
+def test_rows_encoded_into_a_pool_are_the_codecs_at_their_rows_and_nothing_else_changes(row_format):
+    """A decode step's rows go straight to their pool rows (``encode_fp8_rows_into``), in any order."""
+    from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows_into
+
+    values = values_to_encode(row_format, seed=7).to(torch.bfloat16).to(DEVICE)
+    generator = torch.Generator().manual_seed(11)
+    pool = torch.randint(0, 256, (3 * len(values), row_format.row_bytes), dtype=torch.uint8, generator=generator)
+    pool, rows = pool.to(DEVICE), torch.randperm(len(pool), generator=generator)[: len(values)].to(DEVICE)
+    expected = pool.clone()
+    expected[rows] = row_format.encode(values)
+    encode_fp8_rows_into(values, row_format, pool, rows)
+    assert torch.equal(pool, expected)

@@ -45,6 +45,7 @@ from ..kernels.dispatch import (
     encode_rows,
     fill_decode_index,
     sparse_attention,
+    write_rows,
 )
 from ..kernels.kv_format import PoolFormats, RowFormat
 from ..kernels.selection import KVSelection
@@ -727,15 +728,15 @@ def attend(
 def _window_selection(layer: int, kv: torch.Tensor, index: ForwardIndex, storage: PoolStorage) -> KVSelection:
     """Write the forward's KV rows into the layer's window pool; what each token reads of the window."""
     window_rows, entries_format = storage.window[layer], storage.formats.entries
-    # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
-    # stored rows, which the attention decodes where it reads them.
-    stored = encode_rows(entries_format, kv)
     if index.window.slots is None:
+        # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
+        # stored rows, which the attention decodes where it reads them.
+        stored = encode_rows(entries_format, kv)
         staged = torch.cat([stored, window_rows[index.window.previous_slots]])
         window_rows.index_copy_(0, index.window.write_slots, stored)
         return KVSelection(staged, index.window.indices, index.window.lengths, entries_format)
     # A decode forward reads every key where it lies, its own after it is written.
-    window_rows.index_copy_(0, index.window.write_slots, stored)
+    write_rows(entries_format, kv, window_rows, index.window.write_slots)
     return KVSelection(window_rows, index.window.slots, index.window.lengths, entries_format)
 
 

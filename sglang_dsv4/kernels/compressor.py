@@ -33,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_encode import _AMAX_FLOOR, _FP8_MAX, _UE8M0_BIAS, _bf16_bits, _ceil_log2, _e4m3_code
+from .kv_format import ENTRY_SCALE_BLOCK, KEY_SCALE_BLOCK, Fp8EntryRows, Fp8KeyRows
+
 MAX_POOLED_TOKENS = 16  # tokens pooled per step of a program
 
 
@@ -126,6 +129,8 @@ def _compress_blocks(
     out_rows_ptr, norm_weight_ptr, inv_freq_ptr, entries_ptr, previous_ptr, checkpoint_ptr, checkpoint_rows_ptr, eps,
     DIM: tl.constexpr, ROPE_DIM: tl.constexpr, RATIO: tl.constexpr, OVERLAPPING: tl.constexpr, BLOCK_TOK: tl.constexpr,
     DECODE: tl.constexpr, ENTRY_ROWS: tl.constexpr, RECORDS: tl.constexpr,
+    ROW_BYTES: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_WIDTH: tl.constexpr, SCALES: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, block of its chunk): :func:`_compress_block`."""
     _compress_block(
@@ -133,6 +138,7 @@ def _compress_blocks(
         state_in_ptr, in_rows_ptr, state_out_ptr, out_rows_ptr, norm_weight_ptr, inv_freq_ptr, entries_ptr,
         previous_ptr, checkpoint_ptr, checkpoint_rows_ptr, eps,
         DIM, ROPE_DIM, RATIO, OVERLAPPING, BLOCK_TOK, DECODE, ENTRY_ROWS, RECORDS,
+        ROW_BYTES, NOPE_DIM, SCALE_WIDTH, SCALES, SCALE_OFFSET, FLOAT32_SCALES,
     )  # fmt: skip
 
 
@@ -144,7 +150,11 @@ def _compress_decode_pair(
     kv_b, gate_b, ape_b, entry_rows_b, state_b, rows_b, norm_weight_b, inv_freq_b, entries_b, previous_b,
     checkpoint_b, checkpoint_rows_b, eps_b,
     DIM_A: tl.constexpr, ROPE_DIM_A: tl.constexpr, RATIO_A: tl.constexpr, OVERLAPPING_A: tl.constexpr,
+    ROW_BYTES_A: tl.constexpr, NOPE_DIM_A: tl.constexpr, SCALE_WIDTH_A: tl.constexpr, SCALES_A: tl.constexpr,
+    SCALE_OFFSET_A: tl.constexpr, FLOAT32_SCALES_A: tl.constexpr,
     DIM_B: tl.constexpr, ROPE_DIM_B: tl.constexpr, RATIO_B: tl.constexpr, OVERLAPPING_B: tl.constexpr,
+    ROW_BYTES_B: tl.constexpr, NOPE_DIM_B: tl.constexpr, SCALE_WIDTH_B: tl.constexpr, SCALES_B: tl.constexpr,
+    SCALE_OFFSET_B: tl.constexpr, FLOAT32_SCALES_B: tl.constexpr,
 ):  # fmt: skip
     """Program (request, compressor): the decode step of compressor A (``which`` 0) or B (1) for one request, as
     :func:`_compress_blocks` runs it alone (one token, entry rows, records kept)."""
@@ -155,12 +165,14 @@ def _compress_decode_pair(
             request, block, kv_a, gate_a, ape_a, positions_ptr, positions_ptr, entry_rows_a, state_a, rows_a, state_a,
             rows_a, norm_weight_a, inv_freq_a, entries_a, previous_a, checkpoint_a, checkpoint_rows_a, eps_a,
             DIM_A, ROPE_DIM_A, RATIO_A, OVERLAPPING_A, 1, True, True, True,
+            ROW_BYTES_A, NOPE_DIM_A, SCALE_WIDTH_A, SCALES_A, SCALE_OFFSET_A, FLOAT32_SCALES_A,
         )  # fmt: skip
     else:
         _compress_block(
             request, block, kv_b, gate_b, ape_b, positions_ptr, positions_ptr, entry_rows_b, state_b, rows_b, state_b,
             rows_b, norm_weight_b, inv_freq_b, entries_b, previous_b, checkpoint_b, checkpoint_rows_b, eps_b,
             DIM_B, ROPE_DIM_B, RATIO_B, OVERLAPPING_B, 1, True, True, True,
+            ROW_BYTES_B, NOPE_DIM_B, SCALE_WIDTH_B, SCALES_B, SCALE_OFFSET_B, FLOAT32_SCALES_B,
         )  # fmt: skip
 
 
@@ -193,6 +205,12 @@ def _compress_block(
     DECODE: tl.constexpr,
     ENTRY_ROWS: tl.constexpr,
     RECORDS: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    SCALE_WIDTH: tl.constexpr,
+    SCALES: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr,
+    FLOAT32_SCALES: tl.constexpr,
 ):
     """Block ``block`` of request ``request``'s chunk: pool the block's new tokens, emit its entry if
     the chunk completes it, and, for the request's last block, write the online state.
@@ -202,7 +220,8 @@ def _compress_block(
     ``DECODE``: request ``r`` has one token, projection row ``r`` and entry row ``r`` (``ENTRY_ROWS``: entry
     row ``entry_slots[r]``; zeros when its block is not complete), and its state is updated in place;
     ``RECORDS``: its state row is also copied whole to ``previous`` (the same row) before the update, and the
-    updated one to checkpoint record ``checkpoint_rows[r]``.
+    updated one to checkpoint record ``checkpoint_rows[r]``. ``ROW_BYTES`` and what follows it: how an entry is
+    stored (:func:`_store_entry`).
     """
     HALF: tl.constexpr = DIM // 2
     POOLS: tl.constexpr = 3 if OVERLAPPING else 1
@@ -275,9 +294,15 @@ def _compress_block(
             slot = (tl.load(entry_slots_ptr + request) + block).to(tl.int64)
         if block < complete:
             entry = _norm_and_rope(entry_pool, norm_weight_ptr, inv_freq_ptr, block_start, eps, DIM, ROPE_DIM)
-            tl.store(entries_ptr + slot * DIM + _pairs(HALF), entry.to(entries_ptr.dtype.element_ty))
+            _store_entry(
+                entries_ptr, slot, entry, kv_ptr.dtype.element_ty,
+                DIM, ROW_BYTES, NOPE_DIM, SCALE_WIDTH, SCALES, SCALE_OFFSET, FLOAT32_SCALES,
+            )  # fmt: skip
         elif DECODE:
-            tl.store(entries_ptr + slot * DIM + _pairs(HALF), tl.zeros([HALF, 2], entries_ptr.dtype.element_ty))
+            _store_entry(
+                entries_ptr, slot, tl.zeros([HALF, 2], tl.float32), kv_ptr.dtype.element_ty,
+                DIM, ROW_BYTES, NOPE_DIM, SCALE_WIDTH, SCALES, SCALE_OFFSET, FLOAT32_SCALES,
+            )  # fmt: skip
         if block == blocks - 1:
             if DECODE:
                 tl.debug_barrier()  # every thread has read the state before any overwrites it
@@ -300,6 +325,49 @@ def _store_state(state_ptr, row, block_done, later, earlier, previous, HALF: tl.
     if OVERLAPPING:
         _store_pool(state_ptr, row, 1, _select(block_done, empty, earlier), DIM, POOLS)
         _store_pool(state_ptr, row, 2, _select(block_done, earlier, previous), DIM, POOLS)
+
+
+@triton.jit
+def _store_entry(
+    entries_ptr, slot, entry, computed_dtype,
+    DIM: tl.constexpr, ROW_BYTES: tl.constexpr, NOPE_DIM: tl.constexpr, SCALE_WIDTH: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
+):  # fmt: skip
+    """Entry row ``slot`` of ``entries``: the entry (float32 ``[DIM / 2, 2]``) in the pool's dtype (``ROW_BYTES``
+    0), or encoded as DeepSeek's FP8 rows of ``ROW_BYTES`` bytes (:mod:`.fp8_encode`'s bytes: the first
+    ``NOPE_DIM`` channels as E4M3 with a scale per ``SCALE_WIDTH``, a float32 with ``FLOAT32_SCALES`` (indexer
+    keys) else a UE8M0 byte with the rest, the rope, in bf16) from the entry as the projections' dtype
+    (``computed_dtype``) holds it: the bytes of the entry stored in that dtype, then encoded."""
+    HALF: tl.constexpr = DIM // 2
+    channels = _pairs(HALF)
+    if ROW_BYTES == 0:
+        tl.store(entries_ptr + slot * DIM + channels, entry.to(entries_ptr.dtype.element_ty))
+    else:
+        row = entries_ptr + slot * ROW_BYTES
+        values = entry.to(computed_dtype).to(tl.float32)
+        nope = channels < NOPE_DIM
+        scale_block = channels // SCALE_WIDTH
+        magnitudes = tl.where(nope, tl.abs(values), 0.0)
+        exponents = tl.zeros([HALF, 2], tl.int32)
+        for block in tl.static_range(SCALES):
+            amax = tl.max(tl.max(tl.where(scale_block == block, magnitudes, 0.0), axis=1), axis=0)
+            exponent = _ceil_log2(tl.fdiv(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX, ieee_rounding=True))
+            exponents = tl.where(scale_block == block, exponent, exponents)
+            if FLOAT32_SCALES:
+                scale = (row + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
+                tl.store(scale, (exponent + 127 << 23).to(tl.float32, bitcast=True))
+            else:
+                tl.store(row + SCALE_OFFSET + block, (exponent + _UE8M0_BIAS).to(tl.uint8))
+        inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+        scaled = tl.minimum(tl.maximum(values * inverse, -_FP8_MAX), _FP8_MAX)
+        tl.store(row + channels, _e4m3_code(scaled), mask=nope)
+        if not FLOAT32_SCALES:
+            rope = (row + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (channels - NOPE_DIM)
+            tl.store(rope, _bf16_bits(values), mask=~nope)
+        PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
+        if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
+            padding = tl.arange(0, 16)
+            tl.store(row + ROW_BYTES - PADDING + padding, tl.zeros([16], tl.uint8), mask=padding < PADDING)
 
 
 @triton.jit
@@ -383,6 +451,10 @@ def compress_decode(
     return entries
 
 
+StoredAs = Fp8EntryRows | Fp8KeyRows | None
+"""How a pool stores the entries the kernel computes: DeepSeek's FP8 rows, or (``None``) values in its dtype."""
+
+
 def compress_decode_into(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -393,11 +465,16 @@ def compress_decode_into(
     records: DecodeRecords,
     entries: torch.Tensor,
     entry_rows: torch.Tensor,
+    stored_as: StoredAs = None,
 ) -> None:
-    """:func:`compress_decode` with each request's entry written to ``entries[entry_rows[i]]`` (the pool's rows,
-    in their dtype; zeros where the token ends no block, so ``entry_rows[i]`` is then the padding row 0):
+    """:func:`compress_decode` with each request's entry written to ``entries[entry_rows[i]]`` (the pool's rows:
+    values in their dtype, or ``stored_as``'s FP8 rows, byte for byte what encoding the entries as the projections'
+    dtype holds them gives; zeros where the token ends no block, so ``entry_rows[i]`` is then the padding row 0):
     the whole decode step of a compressor in one launch."""
-    _launch_decode(kv, gate, positions, state, state_rows, weights, records, entries, entry_rows, entry_rows=True)
+    _launch_decode(
+        kv, gate, positions, state, state_rows, weights, records, entries, entry_rows, entry_rows=True,
+        stored_as=stored_as,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -413,6 +490,7 @@ class DecodeInto:
     records: DecodeRecords
     entries: torch.Tensor
     entry_rows: torch.Tensor
+    stored_as: StoredAs = None
 
 
 def compress_decode_pair_into(positions: torch.Tensor, first: DecodeInto, second: DecodeInto) -> None:
@@ -436,7 +514,8 @@ def compress_decode_pair_into(positions: torch.Tensor, first: DecodeInto, second
 
     def shape(step: DecodeInto) -> list:
         weights = step.weights
-        return [weights.dim, 2 * weights.inv_freq.shape[0], weights.ratio, weights.overlapping]
+        stored = _stored_entries(step.stored_as).values()
+        return [weights.dim, 2 * weights.inv_freq.shape[0], weights.ratio, weights.overlapping, *stored]
 
     grid = (first.kv.shape[0], 2)
     _compress_decode_pair[grid](positions, *arguments(first), *arguments(second), *shape(first), *shape(second))
@@ -454,6 +533,7 @@ def _launch_decode(
     entry_slots: torch.Tensor,
     *,
     entry_rows: bool,
+    stored_as: StoredAs = None,
 ) -> None:
     if kv.shape[0] == 0:
         return
@@ -462,7 +542,7 @@ def _launch_decode(
     kept = records or DecodeRecords(state, state, state_rows)  # not written without records
     _launch(
         kv, gate, positions, positions, entry_slots, state, state_rows, state, state_rows, weights, entries, 1, True,
-        kept, entry_rows=entry_rows, keep_records=records is not None,
+        kept, entry_rows=entry_rows, keep_records=records is not None, stored_as=stored_as,
     )  # fmt: skip
 
 
@@ -523,6 +603,7 @@ def _launch(
     *,
     entry_rows: bool,
     keep_records: bool,
+    stored_as: StoredAs = None,
 ) -> None:
     _check_launch(kv, gate, state_out, weights)
     _compress_blocks[(starts.shape[0], max_blocks)](
@@ -551,7 +632,26 @@ def _launch(
         DECODE=decode,
         ENTRY_ROWS=entry_rows,
         RECORDS=keep_records,
+        **_stored_entries(stored_as),
     )
+
+
+def _stored_entries(stored_as: StoredAs) -> dict[str, int | bool]:
+    """:func:`_store_entry`'s constants for entries stored as ``stored_as``."""
+    if stored_as is None:
+        return {"ROW_BYTES": 0, "NOPE_DIM": 0, "SCALE_WIDTH": 1, "SCALES": 0, "SCALE_OFFSET": 0, "FLOAT32_SCALES": False}
+    keys = isinstance(stored_as, Fp8KeyRows)
+    stored = {
+        "ROW_BYTES": stored_as.row_bytes,
+        "NOPE_DIM": stored_as.dim if keys else stored_as.nope_dim,
+        "SCALE_WIDTH": KEY_SCALE_BLOCK if keys else ENTRY_SCALE_BLOCK,
+        "SCALES": stored_as.scales,
+        "SCALE_OFFSET": stored_as.scale_offset,
+        "FLOAT32_SCALES": keys,
+    }
+    if stored["ROW_BYTES"] - stored["SCALE_OFFSET"] - stored["SCALES"] * (4 if keys else 1) > 16:
+        raise ValueError(f"{stored_as}: more than 16 padding bytes a row")
+    return stored
 
 
 def _check_launch(kv: torch.Tensor, gate: torch.Tensor, state: torch.Tensor, weights: CompressorWeights) -> None:

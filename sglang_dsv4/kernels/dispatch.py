@@ -205,25 +205,27 @@ def compress_one_token_each(
     targets: Any,
 ) -> None:
     """One token per request at ``positions`` (projections ``[requests, series * dim]``): everything ``writes``
-    names. The Triton decode kernel (graph-capturable; one launch where the entries are stored as it computes
-    them, in the projections' dtype, else their encode and copy after it), or
+    names. The Triton decode kernel (graph-capturable; one launch where it stores the entries itself: in the
+    projections' dtype or as FP8 rows, else their encode and copy after it), or
     :meth:`Compressor.pool_one_token_each` over the forward's ``targets`` and the copies in torch."""
     if uses_triton(kv):
         from .compressor import DecodeRecords, compress_decode, compress_decode_into
 
         weights = _compressor_weights(compressor, kv)
         records = DecodeRecords(writes.previous, writes.checkpoint, writes.checkpoint_records)
-        if isinstance(writes.entry_format, PlainRows) and writes.entry_format.dtype == kv.dtype:
+        stored_in_kernel = _stored_in_kernel(writes.entry_format, kv)
+        if stored_in_kernel is not None:
             compress_decode_into(
-                kv, gate, positions, writes.state, writes.rows, weights, records, writes.entries, writes.entry_rows
-            )
+                kv, gate, positions, writes.state, writes.rows, weights, records, writes.entries, writes.entry_rows,
+                stored_in_kernel.stored_as,
+            )  # fmt: skip
             return
         new_entries = compress_decode(kv, gate, positions, writes.state, writes.rows, weights, records)
     else:
         writes.previous.index_copy_(0, writes.rows, writes.state[writes.rows])
         new_entries = compressor.pool_one_token_each(kv, gate, targets, writes.state, writes.rows)
         writes.checkpoint.index_copy_(0, writes.checkpoint_records, writes.state[writes.rows])
-    writes.entries.index_copy_(0, writes.entry_rows, encode_rows(writes.entry_format, new_entries))
+    write_rows(writes.entry_format, new_entries, writes.entries, writes.entry_rows)
 
 
 @dataclass(frozen=True)
@@ -239,19 +241,20 @@ class DecodeJob:
 
 def compress_pair_one_token_each(first: DecodeJob, second: DecodeJob, positions: torch.Tensor, targets: Any) -> None:
     """:func:`compress_one_token_each` of two compressors over the same tokens (a ratio-4 layer's and its indexer's,
-    ``targets`` the forward's blocks of their ratio): one Triton launch for both where each stores its entries as
-    it computes them, else each on its own."""
+    ``targets`` the forward's blocks of their ratio): one Triton launch for both where the kernel stores both's
+    entries itself, else each on its own."""
     jobs = (first, second)
-    if uses_triton(first.kv) and all(_entries_as_computed(job) for job in jobs):
+    stored = [_stored_in_kernel(job.writes.entry_format, job.kv) for job in jobs]
+    if uses_triton(first.kv) and None not in stored:
         from .compressor import DecodeInto, DecodeRecords, compress_decode_pair_into
 
         steps = [
             DecodeInto(
                 job.kv, job.gate, job.writes.state, job.writes.rows, _compressor_weights(job.compressor, job.kv),
                 DecodeRecords(job.writes.previous, job.writes.checkpoint, job.writes.checkpoint_records),
-                job.writes.entries, job.writes.entry_rows,
+                job.writes.entries, job.writes.entry_rows, stored_in_kernel.stored_as,
             )
-            for job in jobs
+            for job, stored_in_kernel in zip(jobs, stored, strict=True)
         ]  # fmt: skip
         compress_decode_pair_into(positions, *steps)
         return
@@ -259,10 +262,22 @@ def compress_pair_one_token_each(first: DecodeJob, second: DecodeJob, positions:
         compress_one_token_each(job.compressor, job.kv, job.gate, positions, job.writes, targets)
 
 
-def _entries_as_computed(job: DecodeJob) -> bool:
-    """Whether the pool stores the job's entries as the kernel computes them (values in the projections' dtype)."""
-    entry_format = job.writes.entry_format
-    return isinstance(entry_format, PlainRows) and entry_format.dtype == job.kv.dtype
+@dataclass(frozen=True)
+class StoredInKernel:
+    """Entries the decode kernel stores itself: ``stored_as`` FP8 rows, or (``None``) values in the projections'
+    dtype."""
+
+    stored_as: Fp8EntryRows | Fp8KeyRows | None
+
+
+def _stored_in_kernel(entry_format: RowFormat, kv: torch.Tensor) -> StoredInKernel | None:
+    """How the decode kernel stores entries of ``entry_format`` itself (values in the projections' dtype, or FP8 rows
+    of power-of-two dims, as :func:`encode_rows` encodes them), or ``None`` where it cannot."""
+    if isinstance(entry_format, PlainRows) and entry_format.dtype == kv.dtype:
+        return StoredInKernel(None)
+    if _encoded_in_one_launch(entry_format, kv):
+        return StoredInKernel(entry_format)
+    return None
 
 
 def _compressor_weights(compressor: Compressor, x: torch.Tensor):
@@ -414,12 +429,27 @@ def sparse_attention(
 def encode_rows(row_format: RowFormat, values: torch.Tensor) -> torch.Tensor:
     """``row_format.encode(values)``: DeepSeek's FP8 rows in one Triton launch (:mod:`.fp8_encode`, byte for byte
     the torch codec's) where ``dim`` is a power of two, anything else by the codec itself."""
-    fp8 = isinstance(row_format, Fp8EntryRows | Fp8KeyRows)
-    if fp8 and uses_triton(values) and row_format.dim & (row_format.dim - 1) == 0:
+    if _encoded_in_one_launch(row_format, values):
         from .fp8_encode import encode_fp8_rows
 
         return encode_fp8_rows(values, row_format)
     return row_format.encode(values)
+
+
+def write_rows(row_format: RowFormat, values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[rows] = row_format.encode(values)``: FP8 rows encoded straight into the pool in the launch that
+    :func:`encode_rows` makes, anything else encoded, then copied."""
+    if _encoded_in_one_launch(row_format, values) and pool.is_contiguous():
+        from .fp8_encode import encode_fp8_rows_into
+
+        encode_fp8_rows_into(values, row_format, pool, rows)
+        return
+    pool.index_copy_(0, rows, encode_rows(row_format, values))
+
+
+def _encoded_in_one_launch(row_format: RowFormat, values: torch.Tensor) -> bool:
+    fp8 = isinstance(row_format, Fp8EntryRows | Fp8KeyRows)
+    return fp8 and uses_triton(values) and row_format.dim & (row_format.dim - 1) == 0
 
 
 # Query rows scored at once on the Triton path: its scores are [rows, context / 4] float32 (256 MiB at 1M).

@@ -1,6 +1,8 @@
 """DeepSeek's FP8 rows (:mod:`.kv_format`) written by one Triton launch: the write half of the format on CUDA.
 
-``encode_fp8_rows(values, row_format)`` equals ``row_format.encode(values)`` byte for byte: each block's scale
+``encode_fp8_rows(values, row_format)`` equals ``row_format.encode(values)`` byte for byte, and
+``encode_fp8_rows_into(values, row_format, pool, rows)`` writes the same bytes to ``pool[rows]`` (no copy after
+it: a decode step's window row and compressed entries go straight to their pool): each block's scale
 exponent is ``ceil(log2(max|x_b| / 448))`` from the float32 bits of the correctly rounded quotient (what
 ``torch.frexp`` gives the torch codec), the values are scaled by that power of two exactly, clamped to +-448 and
 rounded to E4M3 to nearest even (:func:`_e4m3_code`), the rope values rounded to bf16 (likewise), and the
@@ -23,24 +25,41 @@ _FP8_MAX, _AMAX_FLOOR, _UE8M0_BIAS = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FL
 
 def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
     """Stored rows ``[n, row_bytes]`` uint8 of ``values [n, dim]`` (any float dtype; ``dim`` a power of two)."""
+    out = torch.empty(values.shape[0], row_format.row_bytes, dtype=torch.uint8, device=values.device)
+    _launch(values, row_format, out, None)
+    return out
+
+
+def encode_fp8_rows_into(
+    values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows, pool: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """``pool[rows[i]] = row_format.encode(values)[i]``: ``pool [*, row_bytes]`` uint8, ``rows [n]`` int64."""
+    if pool.dim() != 2 or pool.shape[1] != row_format.row_bytes or not pool.is_contiguous():
+        raise ValueError(f"a pool of rows is [*, {row_format.row_bytes}] contiguous, not {tuple(pool.shape)}")
+    if rows.shape != values.shape[:1]:
+        raise ValueError(f"{values.shape[0]} rows of values for {tuple(rows.shape)} pool rows")
+    _launch(values, row_format, pool, rows)
+
+
+def _launch(
+    values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows, out: torch.Tensor, out_rows: torch.Tensor | None
+) -> None:
     rows, dim = values.shape
     if dim != row_format.dim or dim & (dim - 1):
         raise ValueError(f"values of {dim} dims for rows of {row_format.dim}: a power of two is encoded here")
     values = values.contiguous()
-    out = torch.empty(rows, row_format.row_bytes, dtype=torch.uint8, device=values.device)
     if rows == 0:
-        return out
+        return
     entries = isinstance(row_format, Fp8EntryRows)
     block = ENTRY_SCALE_BLOCK if entries else KEY_SCALE_BLOCK
     blocks = -(-dim // block)
     _encode_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
-        values, out, rows,
+        values, out, out if out_rows is None else out_rows, rows, SCATTER=out_rows is not None,
         DIM=dim, NOPE_DIM=row_format.nope_dim if entries else dim, BLOCKS=blocks, WIDTH=dim // blocks,
         SCALES=row_format.scales, SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=row_format.row_bytes,
         FLOAT32_SCALES=not entries, PADDING_WIDTH=triton.next_power_of_2(max(_padding_bytes(row_format), 1)),
         BLOCK_R=ROWS_PER_PROGRAM, num_warps=4,
     )  # fmt: skip
-    return out
 
 
 def _padding_bytes(row_format: Fp8EntryRows | Fp8KeyRows) -> int:
@@ -86,13 +105,14 @@ def _bf16_bits(x):
 
 @triton.jit
 def _encode_kernel(
-    values_ptr, out_ptr, rows_count,
+    values_ptr, out_ptr, out_rows_ptr, rows_count, SCATTER: tl.constexpr,
     DIM: tl.constexpr, NOPE_DIM: tl.constexpr, BLOCKS: tl.constexpr, WIDTH: tl.constexpr,
     SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
     PADDING_WIDTH: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[BLOCK_R, BLOCKS, WIDTH]``: the FP8 values of the first ``NOPE_DIM`` columns with one scale a block
-    (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after them."""
+    (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after them; row ``r``
+    stored at ``out`` row ``r``, or with ``SCATTER`` at row ``out_rows[r]``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < rows_count)[:, None, None]
     block = tl.arange(0, BLOCKS)[None, :, None]
@@ -105,7 +125,11 @@ def _encode_kernel(
     inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
     scaled = tl.minimum(tl.maximum(values * inverse, -_FP8_MAX), _FP8_MAX)
     codes = _e4m3_code(scaled)
-    row_bytes = out_ptr + rows[:, None, None].to(tl.int64) * ROW_BYTES
+    if SCATTER:
+        out_rows = tl.load(out_rows_ptr + rows, mask=rows < rows_count, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
+    row_bytes = out_ptr + out_rows[:, None, None] * ROW_BYTES
     tl.store(row_bytes + columns, codes, mask=ok & nope)
     has_values = ok & (block * WIDTH < NOPE_DIM)
     if FLOAT32_SCALES:

@@ -31,7 +31,7 @@ def level_rows(table: str) -> dict[str, list[tuple[int, float, float]]]:
     rows: dict[str, list[tuple[int, float, float]]] = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) != 8 or not cells[1].isdigit():
+        if len(cells) != 8 or not cells[1].isdigit() or cells[3] == "n/a":  # n/a: no turn measured at that level
             continue
         slowest = float(cells[3].split("/")[0])
         ttft_max = float(cells[4].split("/")[1])

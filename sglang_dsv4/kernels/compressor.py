@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_encode import _AMAX_FLOOR, _FP8_MAX, _UE8M0_BIAS, _bf16_bits, _ceil_log2, _e4m3_code
+from .fp8_encode import AMAX_FLOOR_C, FP8_MAX_C, UE8M0_BIAS_C, bf16_bits, ceil_log2, e4m3_code
 from .kv_format import ENTRY_SCALE_BLOCK, KEY_SCALE_BLOCK, Fp8EntryRows, Fp8KeyRows
 
 MAX_POOLED_TOKENS = 16  # tokens pooled per step of a program
@@ -351,19 +351,19 @@ def _store_entry(
         exponents = tl.zeros([HALF, 2], tl.int32)
         for block in tl.static_range(SCALES):
             amax = tl.max(tl.max(tl.where(scale_block == block, magnitudes, 0.0), axis=1), axis=0)
-            exponent = _ceil_log2(tl.fdiv(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX, ieee_rounding=True))
+            exponent = ceil_log2(tl.fdiv(tl.maximum(amax, AMAX_FLOOR_C), FP8_MAX_C, ieee_rounding=True))
             exponents = tl.where(scale_block == block, exponent, exponents)
             if FLOAT32_SCALES:
                 scale = (row + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
                 tl.store(scale, (exponent + 127 << 23).to(tl.float32, bitcast=True))
             else:
-                tl.store(row + SCALE_OFFSET + block, (exponent + _UE8M0_BIAS).to(tl.uint8))
+                tl.store(row + SCALE_OFFSET + block, (exponent + UE8M0_BIAS_C).to(tl.uint8))
         inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-        scaled = tl.minimum(tl.maximum(values * inverse, -_FP8_MAX), _FP8_MAX)
-        tl.store(row + channels, _e4m3_code(scaled), mask=nope)
+        scaled = tl.minimum(tl.maximum(values * inverse, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(row + channels, e4m3_code(scaled), mask=nope)
         if not FLOAT32_SCALES:
             rope = (row + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (channels - NOPE_DIM)
-            tl.store(rope, _bf16_bits(values), mask=~nope)
+            tl.store(rope, bf16_bits(values), mask=~nope)
         PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
         if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
             padding = tl.arange(0, 16)
@@ -639,7 +639,7 @@ def _launch(
 def _stored_entries(stored_as: StoredAs) -> dict[str, int | bool]:
     """:func:`_store_entry`'s constants for entries stored as ``stored_as``."""
     if stored_as is None:
-        return {"ROW_BYTES": 0, "NOPE_DIM": 0, "SCALE_WIDTH": 1, "SCALES": 0, "SCALE_OFFSET": 0, "FLOAT32_SCALES": False}
+        return dict(ROW_BYTES=0, NOPE_DIM=0, SCALE_WIDTH=1, SCALES=0, SCALE_OFFSET=0, FLOAT32_SCALES=False)
     keys = isinstance(stored_as, Fp8KeyRows)
     stored = {
         "ROW_BYTES": stored_as.row_bytes,

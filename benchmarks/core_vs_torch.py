@@ -65,7 +65,7 @@ def step(attention, layer, config, pools, x, plan: batched.BatchPlan | None, dev
         graph_index.stage_checkpoints({})
         index = graph_index.build(rows, seq_lens)
     else:
-        index = batched.build_index(plan, pools, config, device)
+        index = batched.build_index(plan, pools, config, device, staged=pools.formats.quantized)  # as served
     return batched.attend(attention, layer, x, index, pools)
 
 

@@ -109,7 +109,7 @@ def bench(model: str, kind: str, kv: str, timer: Timer, ceilings: dict, outputs:
     x = torch.randn(TOKENS, config.hidden_size, device=DEVICE, dtype=DTYPE)
 
     def run() -> torch.Tensor:
-        index = batched.build_index(plan, pools, config, DEVICE)  # the device's tables, as served
+        index = batched.build_index(plan, pools, config, DEVICE, staged=pools.formats.quantized)  # as served
         return attention.project_out(batched.attend(attention, layer, x, index, pools))
 
     outputs[(model, kind, kv)] = run().float().cpu()

@@ -32,7 +32,7 @@ def kernel_times(model: str, kind: str) -> dict:
     x = torch.randn(TOKENS, config.hidden_size, device=DEVICE, dtype=DTYPE)
 
     def run() -> torch.Tensor:
-        index = batched.build_index(plan, pools, config, DEVICE)  # the device's tables, as served
+        index = batched.build_index(plan, pools, config, DEVICE, staged=pools.formats.quantized)  # as served
         return attention.project_out(batched.attend(attention, layer, x, index, pools))
 
     for _ in range(2):

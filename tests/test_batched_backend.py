@@ -89,7 +89,9 @@ class TwoBackends:
         plan = batched.BatchPlan(rows, [s.start for s in spans], lengths, snapshots)
         batched_ids = ids
         if decode_graph is None:
-            index = batched.build_index(plan, batched_pool.storage.tables, self.model.config, "cpu")
+            # Over FP8 pools a forward of more than one token a request reads its rows decoded once, as served.
+            tables, config = batched_pool.storage.tables, self.model.config
+            index = batched.build_index(plan, tables, config, "cpu", staged=self.fp8)
         else:
             index = decode_graph.replay(rows, [s.start + 1 for s in spans])
             batched_ids = torch.cat([ids, torch.zeros(index.tokens - len(ids), dtype=ids.dtype)])
@@ -618,6 +620,35 @@ def test_indexer_selections_equal_the_reference(tiny_model):
         assert int(counts[token]) == len(expected_rows), f"token {token}"
         assert sorted(rows[token, : int(counts[token])].tolist()) == sorted(expected_rows.tolist()), f"token {token}"
     assert (counts == attention.indexer.topk).any()  # some tokens see more entries than the top-k keeps
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["window", "ratio4", "ratio128"])
+def test_a_prefill_over_fp8_pools_reading_its_rows_decoded_once_computes_what_reading_them_in_place_does(
+    tiny_model, ratio
+):
+    """Staged (:class:`~sglang_dsv4.attention_backend.batched.StagedEntries`): the same values, so the same floats,
+    and the same pools; over requests with and without complete blocks, a cold chunk and resumed ones."""
+    config = tiny_model.config
+    layer = config.compress_ratios.index(ratio)
+    attention = tiny_model.layers[layer].attn
+    pools = [V4KVPool(TOKENS, 1, config, torch.float8_e4m3fn, ROWS - 1, CONTEXT, "cpu") for _ in range(2)]
+    generator = torch.Generator().manual_seed(ratio)
+    for rows, starts, lengths in (([1, 2], [0, 0], [300, 150]), ([2, 1, 3], [150, 300, 0], [40, 1, 9])):
+        plan = batched.BatchPlan(rows, starts, lengths)
+        x = torch.randn(sum(lengths), config.hidden_size, generator=generator)
+        outputs = []
+        for pool, staged in zip(pools, [False, True], strict=True):
+            for row, start, length in zip(rows, starts, lengths, strict=True):
+                pool.storage.tables.bound[row] or pool.storage.tables.bind(row)
+                pool.manager.reserve(row, start + length)
+            index = batched.build_index(plan, pool.storage.tables, config, "cpu", staged=staged)
+            assert all((reads.staged is not None) == staged for reads in index.entries.values())
+            outputs.append(batched.attend(attention, layer, x, index, pool.storage))
+        assert torch.equal(*outputs)
+    for name in ("window", "compressed", "state", "checkpoint_state"):
+        stored = [getattr(pool.storage, name) for pool in pools]
+        keys = range(len(stored[0])) if isinstance(stored[0], list) else stored[0].keys()
+        assert all(torch.equal(stored[0][key], stored[1][key]) for key in keys), name
 
 
 def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):

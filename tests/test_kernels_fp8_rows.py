@@ -26,37 +26,12 @@ def test_fp8_row_decode_under_the_interpreter():
     run_under_interpreter(__file__)
 
 
-if IN_INTERPRETER or ON_GPU:  # Triton is imported only where its kernels run (see ``kernel_testing``)
-    import triton
-    import triton.language as tl
-
-    from sglang_dsv4.kernels.fp8_rows import fp8_entry_rows, fp8_key_rows
-
-    @triton.jit
-    def _decode_kernel(
-        rows_ptr, out_ptr, count, DIM: tl.constexpr, ENTRIES: tl.constexpr, NOPE_DIM: tl.constexpr,
-        SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = rows < count
-        if ENTRIES:
-            values = fp8_entry_rows(rows_ptr + rows.to(tl.int64) * ROW_BYTES, valid, DIM, NOPE_DIM, SCALE_OFFSET)
-        else:
-            codes, scales = fp8_key_rows(rows_ptr, rows.to(tl.int64), valid, DIM, SCALE_OFFSET, ROW_BYTES, tl.float32)
-            values = codes * scales[:, None]
-        tl.store(out_ptr + rows[:, None] * DIM + tl.arange(0, DIM)[None, :], values, mask=valid[:, None])
-
-
 def decoded_in_kernel(stored: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
-    """Float32 values ``[rows, dim]`` of stored rows, decoded by the kernels' row readers (unwritten: NaN)."""
-    out = torch.full((stored.shape[0], row_format.dim), float("nan"), device=stored.device)
-    entries, block = isinstance(row_format, Fp8EntryRows), 16
-    _decode_kernel[(triton.cdiv(stored.shape[0], block),)](
-        stored, out, stored.shape[0], DIM=row_format.dim, ENTRIES=entries,
-        NOPE_DIM=row_format.nope_dim if entries else 0, SCALE_OFFSET=row_format.scale_offset,
-        ROW_BYTES=row_format.row_bytes, BLOCK=block,
-    )  # fmt: skip
-    return out
+    """Float32 values ``[rows, dim]`` of stored rows, decoded by the kernels' row readers."""
+    from sglang_dsv4.kernels.fp8_rows import decode_fp8_rows
+
+    rows = torch.arange(stored.shape[0], device=stored.device)
+    return decode_fp8_rows(stored, rows, row_format, torch.float32)
 
 
 def every_code(row_format: Fp8EntryRows | Fp8KeyRows, rows: int, seed: int) -> torch.Tensor:
@@ -86,6 +61,19 @@ def test_key_rows_decoded_in_the_kernel_equal_the_codec_bitwise(dim: int, alignm
     row_format = Fp8KeyRows(dim, alignment)
     stored = every_code(row_format, 41, seed=dim).to(DEVICE)
     assert torch.equal(decoded_in_kernel(stored, row_format), row_format.decode(stored, torch.float32))
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("row_format", [Fp8EntryRows(512, 64), Fp8KeyRows(128)], ids=repr)
+def test_rows_gathered_from_a_pool_decode_to_the_codecs_values_at_those_rows(row_format, dtype):
+    """A prefill stages the rows it reads decoded (``decode_fp8_rows``): any rows, in any order, repeated."""
+    from sglang_dsv4.kernels.fp8_rows import decode_fp8_rows
+
+    pool = every_code(row_format, 29, seed=3).to(DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.cat([torch.randperm(len(pool), generator=generator), torch.tensor([0, 0, 7])]).to(DEVICE)
+    assert torch.equal(decode_fp8_rows(pool, rows, row_format, dtype), row_format.decode(pool[rows], dtype))
 
 
 def values_to_encode(row_format: Fp8EntryRows | Fp8KeyRows, seed: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ from ..kernels.dispatch import (
     chosen_entries,
     compress_one_token_each,
     compress_pair_one_token_each,
+    decode_rows,
     encode_rows,
     fill_decode_index,
     sparse_attention,
@@ -142,6 +143,21 @@ class EntryReads:
     table: torch.Tensor  # [requests, blocks]: each request's entry rows
     visible: torch.Tensor  # [tokens] int32: (position + 1) // ratio
     per_token: torch.Tensor | None  # [tokens, blocks] int32: table row of each token, for layers reading all
+    staged: StagedEntries | None = None  # the same reads of rows decoded once, where the index stages them
+
+
+@dataclass(frozen=True)
+class StagedEntries:
+    """A multi-token forward's compressed rows of one ratio, to be decoded once before its tokens read them.
+
+    In a prefill chunk every token reads rows its neighbours read too (a ratio-128 layer's every entry, a
+    ratio-4 layer's keys, all scored by every token, and the top-k it chooses among them): decoding FP8 rows
+    where each token reads them decodes each row once a token. Staged row 0 is the pool's padding row; then
+    each request's complete blocks in order, ``pool_rows`` naming their rows in the pool, ``reads`` the
+    forward's reads of them (:class:`EntryReads` numbered in staged rows)."""
+
+    pool_rows: torch.Tensor  # [staged rows]: the pool row each staged row holds
+    reads: EntryReads
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,7 @@ class ForwardIndex:
     entries: dict[int, EntryReads]
     tile_owners: list[int]  # host values: per ROW_TILE tokens, the request owning them all, or -1
     one_token_each: bool  # a decode forward: every request runs one token (its compressors' decode kernel applies)
+    staged: bool = False  # the rows its tokens read decoded once, before they read them (StagedEntries)
 
     @property
     def tokens(self) -> int:
@@ -168,9 +185,13 @@ def build_index(
     config: DeepseekV4Config,
     device: torch.device | str,
     whole_entry_tiles: bool = False,
+    staged: bool = False,
 ) -> ForwardIndex:
     """The forward's index tensors, built on ``device`` from the plan (one small copy there) and the
     request tables as ``device`` holds them (on a GPU their device twins, flushed).
+
+    With ``staged`` (pools of FP8 rows) a plan of more than one token a request reads its rows decoded once
+    (:class:`StagedEntries`; the window's staged rows too).
 
     A decode plan gets one snapshot target per request (its checkpoint's record or the
     padding record), so that its shapes depend on the batch size only. With ``whole_entry_tiles``
@@ -199,18 +220,18 @@ def build_index(
         snapshot_record=snapshot_record,
     )
     ends = [start + length for start, length in zip(plan.starts, plan.lengths, strict=True)]
-    sizes = {
-        r: _Sizes(
+    staged = staged and not plan.is_decode
+    sizes = {}
+    for r, table in tables.entry_table.items():
+        blocks = _entry_columns(max(ends, default=0) // r, table.shape[1], whole_entry_tiles and r != config.csa_rate)
+        sizes[r] = _Sizes(
             touched=sum((end - 1) // r - start // r + 1 for start, end in zip(plan.starts, ends, strict=True)),
             width=max(1, min(r, max(plan.lengths, default=1))),
-            blocks=_entry_columns(
-                max(ends, default=0) // r, tables.entry_table[r].shape[1], whole_entry_tiles and r != config.csa_rate
-            ),
+            blocks=blocks,
+            staged_rows=1 + sum(min(end // r, blocks) for end in ends) if staged else None,
         )
-        for r in tables.entry_table
-    }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
-    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode)
+    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=staged)
 
 
 def _entry_columns(blocks: int, width: int, whole_tiles: bool) -> int:
@@ -546,6 +567,7 @@ class _Sizes:
     width: int
     blocks: int
     per_request: int | None = None  # touched targets of every request, in a fixed-shape index
+    staged_rows: int | None = None  # rows a staging index decodes: the padding row, each request's complete blocks
 
 
 @dataclass(frozen=True)
@@ -585,9 +607,13 @@ def _index(
     tile_owners: list[int],
     *,
     one_token_each: bool,
+    staged: bool = False,
 ) -> ForwardIndex:
     window_slots = _table_slots(batch, tables.window_table)
-    return _index_of(batch, window_slots, tables.entry_table, config, sizes, tile_owners, one_token_each=one_token_each)
+    return _index_of(
+        batch, window_slots, tables.entry_table, config, sizes, tile_owners, one_token_each=one_token_each,
+        staged=staged,
+    )  # fmt: skip
 
 
 def _index_of(
@@ -599,6 +625,7 @@ def _index_of(
     tile_owners: list[int],
     *,
     one_token_each: bool,
+    staged: bool = False,
 ) -> ForwardIndex:
     """The index of ``batch`` whose tokens' window slots ``window_slots`` gives (the request tables', or a
     draft chain's scratch rows) and whose blocks' entry rows ``entry_tables`` per ratio."""
@@ -614,6 +641,7 @@ def _index_of(
         entries={r: _entry_reads(batch, entry_tables[r], r, r != config.csa_rate, sizes[r]) for r in ratios},
         tile_owners=tile_owners,
         one_token_each=one_token_each,
+        staged=staged,
     )
 
 
@@ -679,7 +707,24 @@ def _entry_reads(batch: _Batch, entry_table: torch.Tensor, ratio: int, read_all:
     # At least one column, so that the padding entries a selection points at exist.
     table = entry_table[batch.rows, : sizes.blocks]
     visible = ((batch.positions + 1) // ratio).to(torch.int32)
-    return EntryReads(table, visible, table[batch.token_request].to(torch.int32) if read_all else None)
+    staged = None if sizes.staged_rows is None else _staged_entries(batch, table, visible, ratio, read_all, sizes)
+    return EntryReads(table, visible, table[batch.token_request].to(torch.int32) if read_all else None, staged)
+
+
+def _staged_entries(
+    batch: _Batch, table: torch.Tensor, visible: torch.Tensor, ratio: int, read_all: bool, sizes: _Sizes
+) -> StagedEntries:
+    """Each request's complete blocks after the forward (``ends // ratio``: every block a token of it can see) as
+    staged rows, after the padding row."""
+    columns = torch.arange(table.shape[1], device=table.device)
+    complete = columns < (batch.ends // ratio)[:, None]  # [requests, blocks]
+    counts = complete.sum(dim=1)
+    first = 1 + torch.cumsum(counts, 0) - counts  # each request's first staged row
+    staged_table = torch.where(complete, first[:, None] + columns, 0)
+    pool_rows = table.new_zeros(sizes.staged_rows)
+    pool_rows.scatter_(0, staged_table.flatten(), torch.where(complete, table, 0).flatten())  # padding: 0 to row 0
+    per_token = staged_table[batch.token_request].to(torch.int32) if read_all else None
+    return StagedEntries(pool_rows, EntryReads(staged_table, visible, per_token))
 
 
 def _map_tensors(value, function):
@@ -730,11 +775,13 @@ def _window_selection(layer: int, kv: torch.Tensor, index: ForwardIndex, storage
     window_rows, entries_format = storage.window[layer], storage.formats.entries
     if index.window.slots is None:
         # The chunk's own tokens are read as stored, as the forwards after it read them from the pool: staged as
-        # stored rows, which the attention decodes where it reads them.
+        # stored rows, which the attention decodes where it reads them, or decoded once where the index stages.
         stored = encode_rows(entries_format, kv)
-        staged = torch.cat([stored, window_rows[index.window.previous_slots]])
+        staged = _Rows(torch.cat([stored, window_rows[index.window.previous_slots]]), entries_format)
         window_rows.index_copy_(0, index.window.write_slots, stored)
-        return KVSelection(staged, index.window.indices, index.window.lengths, entries_format)
+        if index.staged:
+            staged = _decoded(staged, torch.arange(staged.rows.shape[0], device=kv.device), kv.dtype)
+        return KVSelection(staged.rows, index.window.indices, index.window.lengths, staged.row_format)
     # A decode forward reads every key where it lies, its own after it is written.
     write_rows(entries_format, kv, window_rows, index.window.write_slots)
     return KVSelection(window_rows, index.window.slots, index.window.lengths, entries_format)
@@ -755,13 +802,29 @@ def _compressed_selection(
     entry_records = _records(storage, (layer, "compressor"))
     if attention.indexer is None:
         _advance(attention.compressor, x, index, entries, entry_records)
+        entries, reads = _read_as_staged(entries, reads, x.dtype)
         return KVSelection(entries.rows, reads.per_token, reads.visible, entries.row_format)
     keys = _Rows(storage.compressed[(layer, "indexer_keys")], formats.indexer_keys)
     key_records = _records(storage, (layer, "indexer"))
     jobs = (attention.compressor, entries, entry_records), (attention.indexer.compressor, keys, key_records)
     _advance_pair(*jobs, x, index)
-    rows, selected = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format)
+    keys, key_reads = _read_as_staged(keys, reads, x.dtype)
+    rows, selected = select_entries(attention.indexer, x, q_residual, index, keys.rows, keys.row_format, key_reads)
+    entries, _ = _read_as_staged(entries, reads, x.dtype)
     return KVSelection(entries.rows, rows, selected, entries.row_format)
+
+
+def _read_as_staged(rows: _Rows, reads: EntryReads, dtype: torch.dtype) -> tuple[_Rows, EntryReads]:
+    """The rows the forward's tokens read, and their reads: the staged rows decoded (:class:`StagedEntries`) where
+    the index stages them, else the pool's rows as they are."""
+    if reads.staged is None:
+        return rows, reads
+    return _decoded(rows, reads.staged.pool_rows, dtype), reads.staged.reads
+
+
+def _decoded(stored: _Rows, rows: torch.Tensor, dtype: torch.dtype) -> _Rows:
+    """Rows ``rows`` of ``stored`` as values in ``dtype``."""
+    return _Rows(decode_rows(stored.row_format, stored.rows, rows, dtype), None)
 
 
 def select_entries(
@@ -771,12 +834,14 @@ def select_entries(
     index: ForwardIndex,
     keys: torch.Tensor,
     keys_format: RowFormat | None = None,
+    reads: EntryReads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's choice for every token as its attention reads it: the entry rows of its ``index_topk`` best
     blocks ``[tokens, index_topk]`` int32 (past the choice never read) and how many it chose ``[tokens]`` int32
-    (``keys``: the indexer key pool, its rows stored in ``keys_format``)."""
+    (``keys``: the indexer key pool, its rows stored in ``keys_format``; ``reads``: the index's reads of them, or
+    of their staged rows)."""
     q, head_weights = indexer.queries(x, q_residual, index.rope)
-    reads = index.entries[indexer.compressor.ratio]
+    reads = reads or index.entries[indexer.compressor.ratio]
     return chosen_entries(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
         scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners, keys_format=keys_format,
@@ -788,7 +853,7 @@ class _Rows:
     """A layer's compressed entries or indexer keys: the pool's rows, and how they are stored."""
 
     rows: torch.Tensor
-    row_format: RowFormat
+    row_format: RowFormat | None  # None: the rows are values
 
 
 @dataclass(frozen=True)

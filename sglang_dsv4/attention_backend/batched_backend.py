@@ -54,9 +54,12 @@ class BatchedBackend(V4PoolBackend):
             plan.snapshots.extend(rollback_snapshots(storage, spans))
         covered = covered_rows(spans, forward_batch.positions.shape[0])
         self.covered = None if covered is None else covered.to(storage.device)
-        # Decode and verify batches run in CUDA graphs too: read as the graphs do, for the same floats.
+        # Decode and verify batches run in CUDA graphs too: read as the graphs do, for the same floats. Other
+        # forwards over FP8 rows decode the rows their tokens read once (batched.StagedEntries).
         graph_twin = mode.is_decode() or mode.is_target_verify()
-        self.index = batched.build_index(plan, storage.tables.on_device, storage.config, storage.device, graph_twin)
+        staged = storage.formats.quantized and not graph_twin
+        tables, config = storage.tables.on_device, storage.config
+        self.index = batched.build_index(plan, tables, config, storage.device, graph_twin, staged)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Buffers for graphs of up to ``max_bs`` requests of ``max_num_tokens // max_bs`` tokens each: one

@@ -20,7 +20,7 @@ import torch
 
 from . import sparse_torch
 from .kv_format import Fp8EntryRows, Fp8KeyRows, PlainRows, RowFormat
-from .selection import KVSelection
+from .selection import KVSelection, read_rows
 
 
 def uses_triton(tensor: torch.Tensor) -> bool:
@@ -275,7 +275,7 @@ def _stored_in_kernel(entry_format: RowFormat, kv: torch.Tensor) -> StoredInKern
     of power-of-two dims, as :func:`encode_rows` encodes them), or ``None`` where it cannot."""
     if isinstance(entry_format, PlainRows) and entry_format.dtype == kv.dtype:
         return StoredInKernel(None)
-    if _encoded_in_one_launch(entry_format, kv):
+    if _fp8_in_one_launch(entry_format, kv):
         return StoredInKernel(entry_format)
     return None
 
@@ -429,7 +429,7 @@ def sparse_attention(
 def encode_rows(row_format: RowFormat, values: torch.Tensor) -> torch.Tensor:
     """``row_format.encode(values)``: DeepSeek's FP8 rows in one Triton launch (:mod:`.fp8_encode`, byte for byte
     the torch codec's) where ``dim`` is a power of two, anything else by the codec itself."""
-    if _encoded_in_one_launch(row_format, values):
+    if _fp8_in_one_launch(row_format, values):
         from .fp8_encode import encode_fp8_rows
 
         return encode_fp8_rows(values, row_format)
@@ -439,7 +439,7 @@ def encode_rows(row_format: RowFormat, values: torch.Tensor) -> torch.Tensor:
 def write_rows(row_format: RowFormat, values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
     """``pool[rows] = row_format.encode(values)``: FP8 rows encoded straight into the pool in the launch that
     :func:`encode_rows` makes, anything else encoded, then copied."""
-    if _encoded_in_one_launch(row_format, values) and pool.is_contiguous():
+    if _fp8_in_one_launch(row_format, values) and pool.is_contiguous():
         from .fp8_encode import encode_fp8_rows_into
 
         encode_fp8_rows_into(values, row_format, pool, rows)
@@ -447,9 +447,21 @@ def write_rows(row_format: RowFormat, values: torch.Tensor, pool: torch.Tensor, 
     pool.index_copy_(0, rows, encode_rows(row_format, values))
 
 
-def _encoded_in_one_launch(row_format: RowFormat, values: torch.Tensor) -> bool:
+def decode_rows(row_format: RowFormat, pool: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``[len(rows), dim]`` in ``dtype`` of ``pool[rows]`` stored as ``row_format``: FP8 rows gathered and
+    decoded in one Triton launch (:func:`.fp8_rows.decode_fp8_rows`, bitwise the codec's) where ``dim`` is a power of
+    two, anything else by :func:`.selection.read_rows`."""
+    if _fp8_in_one_launch(row_format, pool) and pool.is_contiguous():
+        from .fp8_rows import decode_fp8_rows
+
+        return decode_fp8_rows(pool, rows, row_format, dtype)
+    return read_rows(pool, rows, row_format, dtype)
+
+
+def _fp8_in_one_launch(row_format: RowFormat, tensor: torch.Tensor) -> bool:
+    """Whether FP8 rows of ``row_format`` beside ``tensor`` are encoded and decoded by one Triton launch."""
     fp8 = isinstance(row_format, Fp8EntryRows | Fp8KeyRows)
-    return fp8 and uses_triton(values) and row_format.dim & (row_format.dim - 1) == 0
+    return fp8 and uses_triton(tensor) and row_format.dim & (row_format.dim - 1) == 0
 
 
 # Query rows scored at once on the Triton path: its scores are [rows, context / 4] float32 (256 MiB at 1M).

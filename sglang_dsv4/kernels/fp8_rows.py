@@ -1,4 +1,5 @@
-"""DeepSeek's FP8 rows (:mod:`.kv_format`) read inside Triton kernels: the in-register half of the format.
+"""DeepSeek's FP8 rows (:mod:`.kv_format`) read inside Triton kernels: the in-register half of the format, and
+:func:`decode_fp8_rows`, the launch that gathers pool rows and stores their values (a prefill's staging).
 
 The kernels load a row's bytes and rebuild its values exactly (an E4M3 value times a power of two, a bf16
 value). An E4M3 byte is bit-cast to ``tl.float8e4nv`` and converted to float32 (the hardware conversion on
@@ -13,8 +14,13 @@ block]``); an entry's rope values through a bf16 pointer, a key's scales through
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .kv_format import Fp8EntryRows, Fp8KeyRows
+
+DECODED_ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -76,3 +82,43 @@ def fp8_key_rows(
         return tl.reshape(codes.to(dtype), (rows.shape[0], DIM)), tl.reshape(scales, (rows.shape[0],))
     values = tl.reshape((codes.to(tl.float32) * scales).to(dtype), (rows.shape[0], DIM))
     return values, tl.full((rows.shape[0],), 1.0, tl.float32)
+
+
+def decode_fp8_rows(
+    pool: torch.Tensor, rows: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows, dtype: torch.dtype
+) -> torch.Tensor:
+    """The values ``[len(rows), dim]`` in ``dtype`` of ``pool[rows]`` (``pool [*, row_bytes]`` uint8, contiguous;
+    ``dim`` a power of two): ``row_format.decode(pool[rows], dtype)`` in one launch, bitwise (the values are exact in
+    float32, and rounded to ``dtype`` once)."""
+    dim = row_format.dim
+    if pool.dim() != 2 or pool.shape[1] != row_format.row_bytes or not pool.is_contiguous():
+        raise ValueError(f"a pool of rows is [*, {row_format.row_bytes}] contiguous, not {tuple(pool.shape)}")
+    if dim & (dim - 1):
+        raise ValueError(f"rows of {dim} values: a power of two is decoded here")
+    out = torch.empty(rows.shape[0], dim, dtype=dtype, device=pool.device)
+    if rows.shape[0] == 0:
+        return out
+    entries = isinstance(row_format, Fp8EntryRows)
+    _decode_kernel[(triton.cdiv(rows.shape[0], DECODED_ROWS_PER_PROGRAM),)](
+        pool, rows, out, rows.shape[0], DIM=dim, ENTRIES=entries, NOPE_DIM=row_format.nope_dim if entries else 0,
+        SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=row_format.row_bytes, BLOCK=DECODED_ROWS_PER_PROGRAM,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _decode_kernel(
+    pool, rows_ptr, out_ptr, count, DIM: tl.constexpr, ENTRIES: tl.constexpr, NOPE_DIM: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``BLOCK`` of the listed rows a program: their values, stored in ``out_ptr``'s dtype."""
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = slots < count
+    rows = tl.load(rows_ptr + slots, mask=valid, other=0).to(tl.int64)
+    if ENTRIES:
+        values = fp8_entry_rows(pool + rows * ROW_BYTES, valid, DIM, NOPE_DIM, SCALE_OFFSET)
+    else:
+        codes, scales = fp8_key_rows(pool, rows, valid, DIM, SCALE_OFFSET, ROW_BYTES, tl.float32)
+        values = codes * scales[:, None]
+    out = out_ptr + slots.to(tl.int64)[:, None] * DIM + tl.arange(0, DIM)[None, :]
+    tl.store(out, values.to(out_ptr.dtype.element_ty), mask=valid[:, None])

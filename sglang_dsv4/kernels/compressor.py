@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_encode import AMAX_FLOOR_C, FP8_MAX_C, UE8M0_BIAS_C, bf16_bits, ceil_log2, e4m3_code
+from .fp8_encode import store_fp8_rows
 from .kv_format import ENTRY_SCALE_BLOCK, KEY_SCALE_BLOCK, Fp8EntryRows, Fp8KeyRows
 
 MAX_POOLED_TOKENS = 16  # tokens pooled per step of a program
@@ -334,40 +334,20 @@ def _store_entry(
     SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
 ):  # fmt: skip
     """Entry row ``slot`` of ``entries``: the entry (float32 ``[DIM / 2, 2]``) in the pool's dtype (``ROW_BYTES``
-    0), or encoded as DeepSeek's FP8 rows of ``ROW_BYTES`` bytes (:mod:`.fp8_encode`'s bytes: the first
+    0), or encoded as DeepSeek's FP8 rows of ``ROW_BYTES`` bytes (:func:`.fp8_encode.store_fp8_rows`: the first
     ``NOPE_DIM`` channels as E4M3 with a scale per ``SCALE_WIDTH``, a float32 with ``FLOAT32_SCALES`` (indexer
     keys) else a UE8M0 byte with the rest, the rope, in bf16) from the entry as the projections' dtype
     (``computed_dtype``) holds it: the bytes of the entry stored in that dtype, then encoded."""
-    HALF: tl.constexpr = DIM // 2
-    channels = _pairs(HALF)
     if ROW_BYTES == 0:
-        tl.store(entries_ptr + slot * DIM + channels, entry.to(entries_ptr.dtype.element_ty))
+        tl.store(entries_ptr + slot * DIM + _pairs(DIM // 2), entry.to(entries_ptr.dtype.element_ty))
     else:
-        row = entries_ptr + slot * ROW_BYTES
-        values = entry.to(computed_dtype).to(tl.float32)
-        nope = channels < NOPE_DIM
-        scale_block = channels // SCALE_WIDTH
-        magnitudes = tl.where(nope, tl.abs(values), 0.0)
-        exponents = tl.zeros([HALF, 2], tl.int32)
-        for block in tl.static_range(SCALES):
-            amax = tl.max(tl.max(tl.where(scale_block == block, magnitudes, 0.0), axis=1), axis=0)
-            exponent = ceil_log2(tl.fdiv(tl.maximum(amax, AMAX_FLOOR_C), FP8_MAX_C, ieee_rounding=True))
-            exponents = tl.where(scale_block == block, exponent, exponents)
-            if FLOAT32_SCALES:
-                scale = (row + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
-                tl.store(scale, (exponent + 127 << 23).to(tl.float32, bitcast=True))
-            else:
-                tl.store(row + SCALE_OFFSET + block, (exponent + UE8M0_BIAS_C).to(tl.uint8))
-        inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-        scaled = tl.minimum(tl.maximum(values * inverse, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(row + channels, e4m3_code(scaled), mask=nope)
-        if not FLOAT32_SCALES:
-            rope = (row + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (channels - NOPE_DIM)
-            tl.store(rope, bf16_bits(values), mask=~nope)
-        PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
-        if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
-            padding = tl.arange(0, 16)
-            tl.store(row + ROW_BYTES - PADDING + padding, tl.zeros([16], tl.uint8), mask=padding < PADDING)
+        BLOCKS: tl.constexpr = DIM // SCALE_WIDTH if DIM >= SCALE_WIDTH else 1
+        values = tl.reshape(entry.to(computed_dtype).to(tl.float32), (1, BLOCKS, DIM // BLOCKS))
+        row_starts = entries_ptr + slot * ROW_BYTES + tl.zeros([1], tl.int64)
+        store_fp8_rows(
+            row_starts, values, tl.full([1, 1, 1], 1, tl.int1),
+            NOPE_DIM, DIM // BLOCKS, SCALES, SCALE_OFFSET, ROW_BYTES, FLOAT32_SCALES, 16,
+        )  # fmt: skip
 
 
 @triton.jit

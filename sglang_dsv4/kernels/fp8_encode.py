@@ -6,7 +6,8 @@ it: a decode step's window row and compressed entries go straight to their pool)
 exponent is ``ceil(log2(max|x_b| / 448))`` from the float32 bits of the correctly rounded quotient (what
 ``torch.frexp`` gives the torch codec), the values are scaled by that power of two exactly, clamped to +-448 and
 rounded to E4M3 to nearest even (:func:`e4m3_code`), the rope values rounded to bf16 (likewise), and the
-padding bytes zero. The roundings are integer operations, so the same code runs compiled and under Triton's
+padding bytes zero (:func:`store_fp8_rows`, which the compressor's kernel stores its FP8 entries with too). The
+roundings are integer operations, so the same code runs compiled and under Triton's
 interpreter (whose casts round otherwise); a step writes a few rows, so launches bind, not arithmetic: the torch
 codec takes a dozen launches a batch of rows, this one (benchmarks/NOTES.md, issue 30).
 """
@@ -21,7 +22,7 @@ from .kv_format import AMAX_FLOOR, ENTRY_SCALE_BLOCK, FP8_MAX, KEY_SCALE_BLOCK, 
 
 ROWS_PER_PROGRAM = 4
 FP8_MAX_C, AMAX_FLOOR_C, UE8M0_BIAS_C = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR), tl.constexpr(UE8M0_BIAS)
-"""The codec's constants as Triton constants, for the kernels that encode rows (this module's, the compressor's)."""
+"""The codec's constants as Triton constants, for :func:`store_fp8_rows`."""
 
 
 def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
@@ -111,27 +112,40 @@ def _encode_kernel(
     SCALES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, FLOAT32_SCALES: tl.constexpr,
     PADDING_WIDTH: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``[BLOCK_R, BLOCKS, WIDTH]``: the FP8 values of the first ``NOPE_DIM`` columns with one scale a block
-    (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after them; row ``r``
-    stored at ``out`` row ``r``, or with ``SCATTER`` at row ``out_rows[r]``."""
+    """``BLOCK_R`` rows of ``values`` a program, row ``r`` stored at ``out`` row ``r``, or with ``SCATTER`` at row
+    ``out_rows[r]`` (:func:`store_fp8_rows`)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < rows_count)[:, None, None]
-    block = tl.arange(0, BLOCKS)[None, :, None]
-    columns = block * WIDTH + tl.arange(0, WIDTH)[None, None, :]
+    columns = tl.arange(0, BLOCKS)[None, :, None] * WIDTH + tl.arange(0, WIDTH)[None, None, :]
     values = tl.load(values_ptr + rows[:, None, None].to(tl.int64) * DIM + columns, mask=ok, other=0.0)
-    values = values.to(tl.float32)
-    nope = columns < NOPE_DIM
-    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(values), 0.0), axis=2), AMAX_FLOOR_C)  # [BLOCK_R, BLOCKS]
-    exponents = ceil_log2(tl.fdiv(amax, FP8_MAX_C, ieee_rounding=True))[:, :, None]
-    inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-    scaled = tl.minimum(tl.maximum(values * inverse, -FP8_MAX_C), FP8_MAX_C)
-    codes = e4m3_code(scaled)
     if SCATTER:
         out_rows = tl.load(out_rows_ptr + rows, mask=rows < rows_count, other=0).to(tl.int64)
     else:
         out_rows = rows.to(tl.int64)
-    row_bytes = out_ptr + out_rows[:, None, None] * ROW_BYTES
-    tl.store(row_bytes + columns, codes, mask=ok & nope)
+    store_fp8_rows(
+        out_ptr + out_rows * ROW_BYTES, values.to(tl.float32), ok,
+        NOPE_DIM, WIDTH, SCALES, SCALE_OFFSET, ROW_BYTES, FLOAT32_SCALES, PADDING_WIDTH,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_fp8_rows(
+    row_starts, values, ok, NOPE_DIM: tl.constexpr, WIDTH: tl.constexpr, SCALES: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, FLOAT32_SCALES: tl.constexpr, PADDING_WIDTH: tl.constexpr,
+):  # fmt: skip
+    """Rows of float32 ``values [rows, blocks, WIDTH]`` stored at ``row_starts [rows]`` (each row's first byte)
+    where ``ok [rows, 1, 1]``: the FP8 codes of the first ``NOPE_DIM`` columns with one scale a block
+    of ``WIDTH`` (a UE8M0 byte, or a float32 with ``FLOAT32_SCALES``), the rest (an entry's rope) in bf16 after
+    them, and the padding bytes after the scales zero (``PADDING_WIDTH``: a power of two at least their count)."""
+    block = tl.arange(0, values.shape[1])[None, :, None]
+    columns = block * WIDTH + tl.arange(0, WIDTH)[None, None, :]
+    nope = columns < NOPE_DIM
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(values), 0.0), axis=2), AMAX_FLOOR_C)  # [rows, blocks]
+    exponents = ceil_log2(tl.fdiv(amax, FP8_MAX_C, ieee_rounding=True))[:, :, None]
+    inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    scaled = tl.minimum(tl.maximum(values * inverse, -FP8_MAX_C), FP8_MAX_C)
+    row_bytes = row_starts[:, None, None]
+    tl.store(row_bytes + columns, e4m3_code(scaled), mask=ok & nope)
     has_values = ok & (block * WIDTH < NOPE_DIM)
     if FLOAT32_SCALES:
         scales = (row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
@@ -143,5 +157,5 @@ def _encode_kernel(
     PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
     if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
         padding = tl.arange(0, PADDING_WIDTH)[None, :, None]
-        zeros = tl.zeros((BLOCK_R, PADDING_WIDTH, 1), tl.uint8)
+        zeros = tl.zeros((values.shape[0], PADDING_WIDTH, 1), tl.uint8)
         tl.store(row_bytes + ROW_BYTES - PADDING + padding, zeros, mask=ok & (padding < PADDING))

@@ -86,10 +86,11 @@ def test_indexer_scoring_fits_in_every_dtype(hopper, model, dtype, fp8_keys):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", MODELS)
-def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
+def test_fp8_row_encode_and_decode_fit_in_every_dtype(hopper, model, dtype):
     """The one-launch encode of FP8 entry rows (window rows, compressed entries) and indexer-key rows, returned
-    and written into a pool's rows."""
+    and written into a pool's rows, and the decode of a pool's rows (a prefill's staging)."""
     from sglang_dsv4.kernels.fp8_encode import encode_fp8_rows, encode_fp8_rows_into
+    from sglang_dsv4.kernels.fp8_rows import decode_fp8_rows
     from sglang_dsv4.kernels.kv_format import Fp8EntryRows, Fp8KeyRows
 
     config = named_config(model)
@@ -99,7 +100,8 @@ def test_fp8_row_encode_fits_in_every_dtype(hopper, model, dtype):
         values = torch.zeros(3, row_format.dim, dtype=dtype)
         encode_fp8_rows(values, row_format)
         encode_fp8_rows_into(values, row_format, row_format.empty(4, "cpu"), rows)
-    assert_fits(hopper, before, 4)
+        decode_fp8_rows(row_format.empty(4, "cpu"), rows, row_format, dtype)
+    assert_fits(hopper, before, 6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -28,7 +28,8 @@ Triton 3.6; nothing on this path imports SGLang). In one run it
    without its pool gathers, so an upper bound on its speed).
 
 7. composes each model's whole step from its layer kinds (43 V4-Flash layers, 61 V4-Pro layers, one index
-   build; :func:`composed_steps`), with and without the projections;
+   build; :func:`composed_steps`), with and without the projections, and budgets *ours* by layer kind and part
+   (compressors, scoring, top-k, attention; :func:`budgets`);
 8. with ``--verify-drafts 1,3``, a speculative verify step of ``1 + k`` tokens per request (the MTP layer's
    ``k`` drafts and the token they follow) through the batched core's extend path and the output projection,
    over an index built once, against the decode step's own layer step (``verify{k}_vs_decode``).
@@ -384,7 +385,10 @@ def bench(
     row["projections_floor_us"], row["projections_bound"] = floor_us(
         weight_bytes(attention), 2 * batch * weight_bytes(attention) / DTYPE.itemsize, ceilings
     )
-    row["core_us"] = timer.graph_us(AttentionCore(step, config))
+    core = AttentionCore(step, config)
+    row["core_us"] = timer.graph_us(core)
+    if core.select is not None:
+        row["selection_us"] = timer.graph_us(core.select)  # the indexer's scoring and top-k
     row["core_floor_us"], row["core_bound"] = floor_us(
         core_bytes(config, kind, batch, context, pools.formats), core_flops(config, kind, batch, context), ceilings
     )
@@ -440,7 +444,41 @@ def main() -> None:
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.mkdir(parents=True, exist_ok=True)
                         result = {"ceilings": ceilings, "rows": rows, "composed": composed_steps(rows)}
+                        result["budgets"] = budgets(rows)
                         (args.out / f"engine_step{args.tag}.json").write_text(json.dumps(result, indent=1))
+
+
+def budgets(rows: list[dict]) -> list[dict]:
+    """*Ours* of each composed step (:func:`composed_steps`) by layer kind and part, µs summed over the model's layers
+    of each kind: the compressors (each layer's and its indexer's decode kernels), the indexer's scoring (its
+    selection less the step's top-k timed alone) and top-k, the attention (the core less the selection), each timed
+    alone as its own replayed graph; ``hidden_us``, their sum less *ours* (the layer step less its projections): what
+    of them runs beside the projections, less the rest of ours (norms and rope, the window row's write); and the
+    index build, once a step."""
+    budgets = []
+    keys = {(r["model"], r["batch"], r["context"], r["kv"]) for r in rows if "error" not in r}
+    for model, batch, context, kv in sorted(keys):
+        config = named_config(model)
+        counts: dict[str, int] = {}
+        for i in range(config.num_layers):
+            counts[config.layer_kind(i)] = counts.get(config.layer_kind(i), 0) + 1
+        found = {r["kind"]: r for r in rows if (r["model"], r["batch"], r["context"], r["kv"]) == (model, batch, context, kv)}
+        if not all(kind in found and "error" not in found[kind] for kind in counts):
+            continue
+        budget = {"model": model, "batch": batch, "context": context, "kv": kv, "index_us": found[next(iter(counts))]["index_us"]}
+        for kind, layers in counts.items():
+            row = found[kind]
+            parts = {"compressors": row.get("compressors_us", 0.0)}
+            if "selection_us" in row:
+                parts["scoring"] = row["selection_us"] - row["topk_step_us"]
+                parts["top_k"] = row["topk_step_us"]
+            parts["attention"] = row["core_us"] - row.get("selection_us", 0.0)
+            ours = row["layer_us"] - row["projections_us"]
+            parts["hidden"] = sum(parts.values()) - ours
+            budget[kind] = {"layers": layers, "ours_us": layers * ours}
+            budget[kind] |= {f"{part}_us": layers * us for part, us in parts.items()}
+        budgets.append(budget)
+    return budgets
 
 
 def composed_steps(rows: list[dict]) -> list[dict]:

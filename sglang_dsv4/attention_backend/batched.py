@@ -841,7 +841,7 @@ def select_entries(
     (``keys``: the indexer key pool, its rows stored in ``keys_format``; ``reads``: the index's reads of them, or
     of their staged rows)."""
     q, head_weights = indexer.queries(x, q_residual, index.rope)
-    reads = reads or index.entries[indexer.compressor.ratio]
+    reads = index.entries[indexer.compressor.ratio] if reads is None else reads
     return chosen_entries(
         q, head_weights, keys, reads.table, index.token_request, reads.visible, indexer.topk,
         scale=indexer.head_dim**-0.5, tile_owners=index.tile_owners, keys_format=keys_format,

@@ -651,6 +651,20 @@ def test_a_prefill_over_fp8_pools_reading_its_rows_decoded_once_computes_what_re
         assert all(torch.equal(stored[0][key], stored[1][key]) for key in keys), name
 
 
+def test_a_forward_staging_more_rows_than_the_limit_reads_them_in_place(tiny_model, monkeypatch):
+    config = tiny_model.config
+    pool = V4KVPool(TOKENS, 1, config, torch.float8_e4m3fn, ROWS - 1, CONTEXT, "cpu")
+    pool.storage.tables.bind(1)
+    pool.manager.reserve(1, 300)
+    plan = batched.BatchPlan([1], [0], [300])
+    rows = 1 + 300 // 4 + 1 + 300 // 128  # each ratio's padding row and complete blocks
+    for limit, staged in ((rows, True), (rows - 1, False)):
+        monkeypatch.setattr(batched, "MAX_STAGED_ROWS", limit)
+        index = batched.build_index(plan, pool.storage.tables, config, "cpu", staged=True)
+        assert index.staged == staged
+        assert all((reads.staged is not None) == staged for reads in index.entries.values())
+
+
 def test_a_subset_of_query_heads_gives_those_heads_of_the_output(tiny_model):
     pools = [V4KVPool(TOKENS, 1, tiny_model.config, torch.float32, 2, CONTEXT, "cpu") for _ in range(2)]
     plan = batched.BatchPlan([1], [0], [200])

@@ -146,6 +146,12 @@ class EntryReads:
     staged: StagedEntries | None = None  # the same reads of rows decoded once, where the index stages them
 
 
+# The most compressed rows a forward decodes before its kernels (all ratios; at V4's dims a ratio-4 row is 1 KiB of
+# entry and 256 B of key in bf16, so about 1.3 GB): a forward that would stage more (many requests resumed over long
+# histories) reads its rows in place instead. A 1M-token history stages 270,336 rows (ratio 4 and 128).
+MAX_STAGED_ROWS = 1 << 20
+
+
 @dataclass(frozen=True)
 class StagedEntries:
     """A multi-token forward's compressed rows of one ratio, to be decoded once before its tokens read them.
@@ -191,7 +197,7 @@ def build_index(
     request tables as ``device`` holds them (on a GPU their device twins, flushed).
 
     With ``staged`` (pools of FP8 rows) a plan of more than one token a request reads its rows decoded once
-    (:class:`StagedEntries`; the window's staged rows too).
+    (:class:`StagedEntries`; the window's staged rows too), where they are at most ``MAX_STAGED_ROWS``.
 
     A decode plan gets one snapshot target per request (its checkpoint's record or the
     padding record), so that its shapes depend on the batch size only. With ``whole_entry_tiles``
@@ -220,16 +226,21 @@ def build_index(
         snapshot_record=snapshot_record,
     )
     ends = [start + length for start, length in zip(plan.starts, plan.lengths, strict=True)]
-    staged = staged and not plan.is_decode
-    sizes = {}
-    for r, table in tables.entry_table.items():
-        blocks = _entry_columns(max(ends, default=0) // r, table.shape[1], whole_entry_tiles and r != config.csa_rate)
-        sizes[r] = _Sizes(
+    blocks = {
+        r: _entry_columns(max(ends, default=0) // r, table.shape[1], whole_entry_tiles and r != config.csa_rate)
+        for r, table in tables.entry_table.items()
+    }
+    staged_rows = {r: 1 + sum(min(end // r, blocks[r]) for end in ends) for r in blocks}
+    staged = staged and not plan.is_decode and sum(staged_rows.values()) <= MAX_STAGED_ROWS
+    sizes = {
+        r: _Sizes(
             touched=sum((end - 1) // r - start // r + 1 for start, end in zip(plan.starts, ends, strict=True)),
             width=max(1, min(r, max(plan.lengths, default=1))),
-            blocks=blocks,
-            staged_rows=1 + sum(min(end // r, blocks) for end in ends) if staged else None,
+            blocks=blocks[r],
+            staged_rows=staged_rows[r] if staged else None,
         )
+        for r in blocks
+    }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
     return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=staged)
 

@@ -7,6 +7,9 @@ row), batch 64 and 256, keys read through a table of distinct rows (random value
 * the shipped :func:`sglang_dsv4.kernels.indexer._index_scores_kernel` over bf16 and over FP8 keys, at several
   pipeline depths (``num_stages``), tiles and warps; ``--operands``: FP8 keys against bf16 or fp16 operands;
   ``--padded``: FP8 key rows padded to 144 B (16-byte aligned codes; a layout not shipped);
+* ``--fp8-queries``: the scoring with the queries quantized to E4M3 as well (:func:`fp8_queries`), both operands of
+  the dot FP8, the keys' codes loaded straight into it (no conversion): its time, and its error and top-512 overlap
+  against the torch scores of bf16 queries (what quantizing the queries costs the choice);
 * ``--stages-dropped``: stage-dropping copies of its FP8 loop (``MODE``): the key bytes loaded and summed as
   integers (no conversion, no dot: the load path alone); loaded and converted to bf16 and summed (no dot); the dot
   on bf16 operands; the dot on the E4M3 values converted to fp16 with the queries cast to fp16 (unscaled).
@@ -69,9 +72,16 @@ def _stage_kernel(
             k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, tl.bfloat16)
             dots = tl.dot(k, tl.trans(q)) * key_scales[:, None]
             scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
-        else:  # fp16 operands
+        elif MODE == 3:  # fp16 operands
             k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, tl.float16)
             dots = tl.dot(k, tl.trans(q.to(tl.float16))) * key_scales[:, None]
+            scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
+        else:  # FP8 queries (q and weights as fp8_queries gives them) against the codes: both operands E4M3
+            code_pointers = keys_ptr + key_rows[:, None] * ROW_BYTES + channels[None, :]
+            k = tl.load(code_pointers.to(tl.pointer_type(tl.float8e4nv)), mask=visible[:, None], other=0.0)
+            scale_pointers = (keys_ptr + key_rows * ROW_BYTES + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
+            key_scales = tl.load(scale_pointers, mask=visible, other=0.0)
+            dots = tl.dot(k, tl.trans(q)) * key_scales[:, None]
             scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
         scores = tl.where(visible, scores, float("-inf"))
         tl.store(scores_ptr + row * scores_row_stride + slots, scores, mask=slots < width)
@@ -158,6 +168,38 @@ def staged(batch: int, mode: int, stages: int | None = None, row_bytes: int = 13
     return run
 
 
+def fp8_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries in E4M3 with a float32 scale a (row, head), ``amax / 448`` (DeepSeek's reference indexer and upstream's
+    FP8 indexer quantize them so), the scale folded into the head weights (``relu(s x) = s relu(x)``, ``s > 0``)."""
+    scale = q.float().abs().amax(-1).clamp_min(1e-8) / 448.0
+    return (q.float() / scale[..., None]).to(torch.float8_e4m3fn), weights * scale
+
+
+def fp8_query_scores(batch: int, stages: int | None, sequential: bool = False):
+    """``_stage_kernel``'s FP8-query mode over the pools' 144-B keys."""
+    q, weights, keys, table, lengths, row_format = inputs(batch, True, sequential=sequential)
+    q8, weights8 = fp8_queries(q, weights)
+    width = table.shape[1]
+    scores = torch.empty(batch, width, device=DEVICE)
+    extra = {} if stages is None else {"num_stages": stages}
+
+    def run():
+        _stage_kernel[(batch, triton.cdiv(width, 512))](
+            q8, q8.stride(0), q8.stride(1), weights8, weights8.stride(0), keys, table, table.stride(0), lengths,
+            scores, scores.stride(0), width, 0.1, HEADS=q.shape[1], DIM=q.shape[2], BLOCK_KEYS=128, TILES=4,
+            SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1], MODE=4, num_warps=4, **extra,
+        )  # fmt: skip
+        return scores
+
+    return run, batch * width * (keys.shape[1] + 8)
+
+
+def top_k_overlap(scores: torch.Tensor, expected: torch.Tensor, k: int = 512) -> float:
+    """The mean share of each row's ``k`` best slots of ``expected`` that ``scores`` also puts among its ``k`` best."""
+    chosen = torch.zeros_like(expected, dtype=torch.bool).scatter_(1, scores.topk(k).indices, True)
+    return chosen.gather(1, expected.topk(k).indices).float().mean().item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
@@ -168,6 +210,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="which tree's kernel this is (--sweep)")
     parser.add_argument("--sweep", action="store_true", help="only the FP8 kernel's tiles, warps and register caps")
     parser.add_argument("--tables", action="store_true", help="only keys read through random against in-order tables")
+    parser.add_argument("--fp8-queries", action="store_true", help="only FP8 queries against the FP8 keys' codes")
     args = parser.parse_args()
     if args.ncu:
         for fp8 in (False, True):  # as index_scores launches them
@@ -211,6 +254,30 @@ def main() -> None:
                         "tiles": tiles, "maxnreg": maxnreg, "us": us, "floor_us": floor, "of_floor": floor / us,
                         "error_vs_shipped_shape": error,
                         "error_vs_torch": None if oracle is None or not fp8 else relative_error(out, oracle)})  # fmt: skip
+        return
+    if args.fp8_queries:
+        for batch in (64, 256):
+            oracle = torch_scores(batch)
+            for kernel, stages, sequential in [
+                ("bf16", None, False), ("fp8", 1, False), ("fp8_queries", None, False), ("fp8_queries", 2, False),
+                ("fp8_queries", 3, False), ("fp8", 1, True), ("fp8_queries", None, True),
+            ]:  # fmt: skip
+                try:
+                    if kernel == "fp8_queries":
+                        run, moved = fp8_query_scores(batch, stages, sequential)
+                    else:
+                        run, moved = shipped(batch, kernel == "fp8", stages, sequential=sequential)
+                    out = run().clone()
+                    us = timer.graph_us(run)
+                except Exception as failure:  # noqa: BLE001 - a variant that does not compile reports why
+                    record({"kernel": kernel, "batch": batch, "stages": stages, "error": repr(failure)[:300]})
+                    continue
+                floor = moved / ceilings["copy_tbps"] / 1e6
+                exact = kernel != "bf16" and not sequential
+                record({"kernel": kernel, "batch": batch, "stages": stages,
+                        "table": "in_order" if sequential else "random", "us": us, "floor_us": floor,
+                        "of_floor": floor / us, "error_vs_torch": relative_error(out, oracle) if exact else None,
+                        "top512_overlap": top_k_overlap(out, oracle) if exact else None})  # fmt: skip
         return
     if args.tables:
         for batch in (64, 256):

@@ -76,7 +76,7 @@ def _stage_kernel(
             k, key_scales = fp8_key_rows(keys_ptr, key_rows, visible, DIM, SCALE_OFFSET, ROW_BYTES, tl.float16)
             dots = tl.dot(k, tl.trans(q.to(tl.float16))) * key_scales[:, None]
             scores = tl.sum(tl.maximum(dots, 0.0) * weights[None, :], 1)
-        else:  # FP8 queries (q and weights as fp8_queries gives them) against the codes: both operands E4M3
+        else:  # FP8_QUERIES (q and weights as fp8_queries gives them) against the codes: both operands E4M3
             code_pointers = keys_ptr + key_rows[:, None] * ROW_BYTES + channels[None, :]
             k = tl.load(code_pointers.to(tl.pointer_type(tl.float8e4nv)), mask=visible[:, None], other=0.0)
             scale_pointers = (keys_ptr + key_rows * ROW_BYTES + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
@@ -151,8 +151,21 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out[finite] - expected[finite]).norm() / expected[finite].norm()).item()
 
 
+def fp8_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries in E4M3 with a float32 scale a (row, head), ``amax / 448`` (DeepSeek's reference indexer and upstream's
+    FP8 indexer quantize them so), the scale folded into the head weights (``relu(s x) = s relu(x)``, ``s > 0``)."""
+    scale = q.float().abs().amax(-1).clamp_min(1e-8) / 448.0
+    return (q.float() / scale[..., None]).to(torch.float8_e4m3fn), weights * scale
+
+
+FP8_QUERIES = 4  # the stage kernel's mode that scores E4M3 queries (fp8_queries) against the codes
+
+
 def staged(batch: int, mode: int, stages: int | None = None, row_bytes: int = 132, sequential: bool = False):
+    """``_stage_kernel`` in ``mode``, its queries quantized (:func:`fp8_queries`) in mode ``FP8_QUERIES``."""
     q, weights, keys, table, lengths, row_format = inputs(batch, True, row_bytes, sequential)
+    if mode == FP8_QUERIES:
+        q, weights = fp8_queries(q, weights)
     width = table.shape[1]
     scores = torch.empty(batch, width, device=DEVICE)
     extra = {} if stages is None else {"num_stages": stages}
@@ -166,32 +179,6 @@ def staged(batch: int, mode: int, stages: int | None = None, row_bytes: int = 13
         return scores
 
     return run
-
-
-def fp8_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries in E4M3 with a float32 scale a (row, head), ``amax / 448`` (DeepSeek's reference indexer and upstream's
-    FP8 indexer quantize them so), the scale folded into the head weights (``relu(s x) = s relu(x)``, ``s > 0``)."""
-    scale = q.float().abs().amax(-1).clamp_min(1e-8) / 448.0
-    return (q.float() / scale[..., None]).to(torch.float8_e4m3fn), weights * scale
-
-
-def fp8_query_scores(batch: int, stages: int | None, sequential: bool = False):
-    """``_stage_kernel``'s FP8-query mode over the pools' 144-B keys."""
-    q, weights, keys, table, lengths, row_format = inputs(batch, True, sequential=sequential)
-    q8, weights8 = fp8_queries(q, weights)
-    width = table.shape[1]
-    scores = torch.empty(batch, width, device=DEVICE)
-    extra = {} if stages is None else {"num_stages": stages}
-
-    def run():
-        _stage_kernel[(batch, triton.cdiv(width, 512))](
-            q8, q8.stride(0), q8.stride(1), weights8, weights8.stride(0), keys, table, table.stride(0), lengths,
-            scores, scores.stride(0), width, 0.1, HEADS=q.shape[1], DIM=q.shape[2], BLOCK_KEYS=128, TILES=4,
-            SCALE_OFFSET=row_format.scale_offset, ROW_BYTES=keys.shape[1], MODE=4, num_warps=4, **extra,
-        )  # fmt: skip
-        return scores
-
-    return run, batch * width * (keys.shape[1] + 8)
 
 
 def top_k_overlap(scores: torch.Tensor, expected: torch.Tensor, k: int = 512) -> float:
@@ -264,7 +251,8 @@ def main() -> None:
             ]:  # fmt: skip
                 try:
                     if kernel == "fp8_queries":
-                        run, moved = fp8_query_scores(batch, stages, sequential)
+                        run = staged(batch, FP8_QUERIES, stages, 144, sequential)
+                        moved = batch * (CONTEXT // 4) * (144 + 8)
                     else:
                         run, moved = shipped(batch, kernel == "fp8", stages, sequential=sequential)
                     out = run().clone()

@@ -230,19 +230,22 @@ def build_index(
         r: _entry_columns(max(ends, default=0) // r, table.shape[1], whole_entry_tiles and r != config.csa_rate)
         for r, table in tables.entry_table.items()
     }
-    staged_rows = {r: 1 + sum(min(end // r, blocks[r]) for end in ends) for r in blocks}
-    staged = staged and not plan.is_decode and sum(staged_rows.values()) <= MAX_STAGED_ROWS
+    staged_rows = {}
+    if staged and not plan.is_decode:  # each ratio's padding row and every request's complete blocks
+        staged_rows = {r: 1 + sum(min(end // r, blocks[r]) for end in ends) for r in blocks}
+        if sum(staged_rows.values()) > MAX_STAGED_ROWS:
+            staged_rows = {}
     sizes = {
         r: _Sizes(
             touched=sum((end - 1) // r - start // r + 1 for start, end in zip(plan.starts, ends, strict=True)),
             width=max(1, min(r, max(plan.lengths, default=1))),
             blocks=blocks[r],
-            staged_rows=staged_rows[r] if staged else None,
+            staged_rows=staged_rows.get(r),
         )
         for r in blocks
     }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
-    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=staged)
+    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=bool(staged_rows))
 
 
 def _entry_columns(blocks: int, width: int, whole_tiles: bool) -> int:

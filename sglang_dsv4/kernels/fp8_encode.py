@@ -5,7 +5,7 @@
 it: a decode step's window row and compressed entries go straight to their pool): each block's scale
 exponent is ``ceil(log2(max|x_b| / 448))`` from the float32 bits of the correctly rounded quotient (what
 ``torch.frexp`` gives the torch codec), the values are scaled by that power of two exactly, clamped to +-448 and
-rounded to E4M3 to nearest even (:func:`e4m3_code`), the rope values rounded to bf16 (likewise), and the
+rounded to E4M3 to nearest even (:func:`_e4m3_code`), the rope values rounded to bf16 (likewise), and the
 padding bytes zero (:func:`store_fp8_rows`, which the compressor's kernel stores its FP8 entries with too). The
 roundings are integer operations, so the same code runs compiled and under Triton's
 interpreter (whose casts round otherwise); a step writes a few rows, so launches bind, not arithmetic: the torch
@@ -21,8 +21,7 @@ import triton.language as tl
 from .kv_format import AMAX_FLOOR, ENTRY_SCALE_BLOCK, FP8_MAX, KEY_SCALE_BLOCK, UE8M0_BIAS, Fp8EntryRows, Fp8KeyRows
 
 ROWS_PER_PROGRAM = 4
-FP8_MAX_C, AMAX_FLOOR_C, UE8M0_BIAS_C = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR), tl.constexpr(UE8M0_BIAS)
-"""The codec's constants as Triton constants, for :func:`store_fp8_rows`."""
+_FP8_MAX, _AMAX_FLOOR, _UE8M0_BIAS = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR), tl.constexpr(UE8M0_BIAS)
 
 
 def encode_fp8_rows(values: torch.Tensor, row_format: Fp8EntryRows | Fp8KeyRows) -> torch.Tensor:
@@ -71,7 +70,7 @@ def _padding_bytes(row_format: Fp8EntryRows | Fp8KeyRows) -> int:
 
 
 @triton.jit
-def ceil_log2(x):
+def _ceil_log2(x):
     """``ceil(log2(x))`` exactly, int32, for positive normal float32 ``x``: its exponent, plus one unless ``x`` is
     a power of two."""
     bits = x.to(tl.int32, bitcast=True)
@@ -85,7 +84,7 @@ def _round_half_even(x):
 
 
 @triton.jit
-def e4m3_code(x):
+def _e4m3_code(x):
     """The E4M3 byte (uint8) of float32 ``x``, ``|x| <= 448``, rounded to nearest even, in integer and exact float
     operations: Triton's interpreter rounds the cast wrongly where it carries into the exponent (31.94 to 16)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -98,7 +97,7 @@ def e4m3_code(x):
 
 
 @triton.jit
-def bf16_bits(x):
+def _bf16_bits(x):
     """The bf16 bits (uint16) of finite float32 ``x``, rounded to nearest even in integer operations (the
     interpreter's cast truncates)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -140,20 +139,20 @@ def store_fp8_rows(
     block = tl.arange(0, values.shape[1])[None, :, None]
     columns = block * WIDTH + tl.arange(0, WIDTH)[None, None, :]
     nope = columns < NOPE_DIM
-    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(values), 0.0), axis=2), AMAX_FLOOR_C)  # [rows, blocks]
-    exponents = ceil_log2(tl.fdiv(amax, FP8_MAX_C, ieee_rounding=True))[:, :, None]
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(values), 0.0), axis=2), _AMAX_FLOOR)  # [rows, blocks]
+    exponents = _ceil_log2(tl.fdiv(amax, _FP8_MAX, ieee_rounding=True))[:, :, None]
     inverse = ((127 - exponents) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-    scaled = tl.minimum(tl.maximum(values * inverse, -FP8_MAX_C), FP8_MAX_C)
+    scaled = tl.minimum(tl.maximum(values * inverse, -_FP8_MAX), _FP8_MAX)
     row_bytes = row_starts[:, None, None]
-    tl.store(row_bytes + columns, e4m3_code(scaled), mask=ok & nope)
+    tl.store(row_bytes + columns, _e4m3_code(scaled), mask=ok & nope)
     has_values = ok & (block * WIDTH < NOPE_DIM)
     if FLOAT32_SCALES:
         scales = (row_bytes + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + block
         tl.store(scales, (exponents + 127 << 23).to(tl.float32, bitcast=True), mask=has_values)
     else:
-        tl.store(row_bytes + SCALE_OFFSET + block, (exponents + UE8M0_BIAS_C).to(tl.uint8), mask=has_values)
+        tl.store(row_bytes + SCALE_OFFSET + block, (exponents + _UE8M0_BIAS).to(tl.uint8), mask=has_values)
         rope = (row_bytes + NOPE_DIM).to(tl.pointer_type(tl.uint16)) + (columns - NOPE_DIM)
-        tl.store(rope, bf16_bits(values), mask=ok & ~nope)
+        tl.store(rope, _bf16_bits(values), mask=ok & ~nope)
     PADDING: tl.constexpr = ROW_BYTES - SCALE_OFFSET - SCALES * (4 if FLOAT32_SCALES else 1)
     if PADDING > 0:  # an entry row's odd byte after its scales, a key row's bytes up to its alignment
         padding = tl.arange(0, PADDING_WIDTH)[None, :, None]

@@ -45,6 +45,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
@@ -459,9 +460,7 @@ def budgets(rows: list[dict]) -> list[dict]:
     keys = {(r["model"], r["batch"], r["context"], r["kv"]) for r in rows if "error" not in r}
     for model, batch, context, kv in sorted(keys):
         config = named_config(model)
-        counts: dict[str, int] = {}
-        for i in range(config.num_layers):
-            counts[config.layer_kind(i)] = counts.get(config.layer_kind(i), 0) + 1
+        counts = Counter(config.layer_kind(i) for i in range(config.num_layers))
         found = {r["kind"]: r for r in rows if (r["model"], r["batch"], r["context"], r["kv"]) == (model, batch, context, kv)}
         if not all(kind in found and "error" not in found[kind] for kind in counts):
             continue

@@ -245,7 +245,8 @@ def build_index(
         for r in blocks
     }
     owners = _tile_owners([i for i, length in enumerate(plan.lengths) for _ in range(length)])
-    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=bool(staged_rows))
+    staged = len(staged_rows) > 0  # host values: the plan's
+    return _index(batch, tables, config, sizes, owners, one_token_each=plan.is_decode, staged=staged)
 
 
 def _entry_columns(blocks: int, width: int, whole_tiles: bool) -> int:
